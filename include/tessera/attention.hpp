@@ -1,0 +1,167 @@
+// Tessera attention API: ragged (varlen) prefill, paged prefill (chunked prefill / append) and
+// batch decode, each as a plan/run pair, plus one-shot convenience calls.
+//
+// Semantics (FlashInfer / FlashAttention conventions):
+//  * q [total_q, num_qo_heads, head_dim], ragged by qo_indptr[B+1] (int32, = cu_seqlens_q).
+//  * Ragged K/V: k, v [total_kv, num_kv_heads, head_dim], ragged by kv_indptr[B+1].
+//  * Paged K/V: see PagedKVCache. Strides of every tensor are honoured except the last dim,
+//    which must be contiguous.
+//  * GQA/MQA: num_qo_heads must be an integer multiple of num_kv_heads; query head h reads kv
+//    head h / (num_qo_heads / num_kv_heads).
+//  * Causal masks are aligned bottom-right: query i of a request with q_len queries and kv_len
+//    keys sees key j iff j <= i + kv_len - q_len. A sliding window (left, right) further limits
+//    keys to [i + off - left, i + off + right] with off = kv_len - q_len; -1 = unbounded.
+//  * Soft-cap: s = cap * tanh(s / cap) applied to the scaled logits (cap = 0: off).
+//  * o has q's dtype; lse (optional) is float32 [total_q, num_qo_heads], natural log.
+//  * A query row that sees no key gives o = 0 and lse = -inf, never NaN.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tessera/types.hpp"
+
+namespace tessera {
+
+enum class KVLayout : int32_t { kNHD = 0, kHND = 1 };
+
+struct AttentionOptions {
+  bool causal = false;
+  int32_t window_left = -1;   // -1: unbounded
+  int32_t window_right = -1;  // -1: unbounded
+  float logits_soft_cap = 0.0f;
+  float sm_scale = 0.0f;  // 0: 1/sqrt(head_dim)
+  // Dequantisation scales for an fp8 KV cache (per tensor). Ignored for fp16/bf16 K/V.
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
+};
+
+// A paged KV cache with a CSR page table.
+//  k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] (NHD)
+//                 or [num_pages, num_kv_heads, page_size, head_dim] (HND).
+//  page_indptr [B+1] int32, page_indices [page_indptr[B]] int32,
+//  last_page_len [B] int32 in [1, page_size] for a request with pages (ignored otherwise).
+//  kv_len of request b = (pages_b - 1) * page_size + last_page_len[b], 0 if it has no page.
+struct PagedKVCache {
+  TensorView k_cache;
+  TensorView v_cache;
+  KVLayout layout = KVLayout::kNHD;
+  TensorView page_indptr;
+  TensorView page_indices;
+  TensorView last_page_len;
+};
+
+enum class AttentionOp : int32_t { kRaggedPrefill = 0, kPagedPrefill = 1, kDecode = 2 };
+const char* op_name(AttentionOp op);
+
+// One unit of work: query rows [q_start, q_start + q_len) of `request` for every query head of
+// kv head `kv_head`'s group, against keys [kv_start, kv_end) of that request. When the key range
+// of a (request, kv_head, q tile) is split, each piece writes a float32 partial (o, lse) at row
+// `partial_row` of the workspace and a MergeItem combines them; otherwise partial_row = -1.
+struct WorkItem {
+  int32_t request;
+  int32_t kv_head;
+  int32_t q_start;
+  int32_t q_len;
+  int32_t kv_start;
+  int32_t kv_end;
+  int32_t partial_row;
+};
+
+// Combines `num_splits` partials of a (request, kv_head, q tile) into the output. The partial
+// rows of split s start at first_partial_row + s * q_len * group_size.
+struct MergeItem {
+  int32_t request;
+  int32_t kv_head;
+  int32_t q_start;
+  int32_t q_len;
+  int32_t first_partial_row;
+  int32_t num_splits;
+};
+
+// Knobs a backend hands the planner (dispatch fills them per device; tests set them directly).
+struct PlanConfig {
+  int32_t q_tile_rows = 64;   // packed rows (tokens x group heads) per work item, at most
+  int32_t num_workers = 1;    // persistent CTAs (GPU) or threads (CPU)
+  bool split_kv = true;       // allow splitting long key ranges across workers
+  int32_t min_kv_chunk = 256; // never split a key range into pieces shorter than this
+  bool deterministic = false; // fixed split sizes, independent of the batch composition
+};
+
+// The plan of one batch: backend-neutral, built on the host from host lengths. Kernels walk
+// `work` in the order of `worker_indptr` (worker w runs work[worker_indptr[w] .. [w+1])).
+struct Plan {
+  AttentionOp op = AttentionOp::kRaggedPrefill;
+  Device device{};
+  int32_t batch_size = 0;
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;  // paged ops only
+  AttentionOptions options{};
+  PlanConfig config{};
+  int64_t total_q = 0;
+  std::vector<int32_t> q_lens;   // per request
+  std::vector<int32_t> kv_lens;  // per request
+  std::vector<WorkItem> work;
+  std::vector<int32_t> worker_indptr;  // [num_workers + 1]
+  std::vector<MergeItem> merges;
+  int64_t num_partial_rows = 0;
+  size_t workspace_bytes = 0;  // what run() needs from the caller
+  double max_worker_cost = 0;  // cost model units (see planner.hpp)
+  double total_cost = 0;
+
+  int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+  // Human-readable description of the partition (`tessera plan --explain`).
+  std::string explain() const;
+};
+
+// Caller-owned scratch memory on the plan's device.
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// ---- plan (host lengths in, Plan out; pure, deterministic) ----
+Plan plan_ragged_prefill(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_indptr,
+                         int num_qo_heads, int num_kv_heads, int head_dim,
+                         const AttentionOptions& options, Device device = {});
+Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int32_t> page_indptr,
+                        std::span<const int32_t> last_page_len, int page_size, int num_qo_heads,
+                        int num_kv_heads, int head_dim, const AttentionOptions& options,
+                        Device device = {});
+// Decode: q_per_request query tokens per request (1, or a few for speculative decoding).
+Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> last_page_len,
+                 int page_size, int num_qo_heads, int num_kv_heads, int head_dim,
+                 const AttentionOptions& options, Device device = {}, int q_per_request = 1);
+
+// ---- run (never allocates, never synchronises the host on GPU) ----
+// `stream` is a cudaStream_t for CUDA tensors and ignored on the CPU.
+void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& qo_indptr,
+                        const TensorView& kv_indptr, const TensorView& o, const TensorView& lse,
+                        Workspace workspace, void* stream = nullptr);
+void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
+                       const TensorView& qo_indptr, const TensorView& o, const TensorView& lse,
+                       Workspace workspace, void* stream = nullptr);
+// q: [batch * q_per_request, num_qo_heads, head_dim].
+void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
+                const TensorView& o, const TensorView& lse, Workspace workspace,
+                void* stream = nullptr);
+
+// ---- one-shot calls (plan + run with an internal workspace; indptr arrays read on the host,
+// so for CUDA tensors these synchronise: use plan/run on a serving hot path) ----
+void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& qo_indptr, const TensorView& kv_indptr, const TensorView& o,
+                    const TensorView& lse = {}, const AttentionOptions& options = {},
+                    void* stream = nullptr);
+void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView& qo_indptr,
+                   const TensorView& o, const TensorView& lse = {},
+                   const AttentionOptions& options = {}, void* stream = nullptr);
+void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
+            const TensorView& lse = {}, const AttentionOptions& options = {},
+            void* stream = nullptr);
+
+}  // namespace tessera

@@ -1,0 +1,27 @@
+// Backend selection and device queries.
+#pragma once
+
+#include <string>
+
+#include "tessera/types.hpp"
+
+namespace tessera {
+
+// Which implementation serves calls on CPU tensors. kFast is the tiled multithreaded path (the
+// default); kReference is the double-accumulating oracle used by tests.
+enum class CpuImpl : int32_t { kFast = 0, kReference = 1 };
+void set_cpu_impl(CpuImpl impl);
+CpuImpl cpu_impl();
+
+// Number of threads the CPU backend uses (default: hardware concurrency, or TESSERA_NUM_THREADS).
+void set_num_threads(int threads);
+int num_threads();
+
+// True when this build has the CUDA backend and a CUDA device is visible.
+bool cuda_available();
+int cuda_device_count();
+
+// A short description of a device ("cpu: 2 threads, avx512", "cuda:0 NVIDIA H200 sm_90, 132 SMs").
+std::string describe_device(Device device);
+
+}  // namespace tessera
