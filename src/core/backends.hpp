@@ -29,10 +29,6 @@ void cpu_merge_state(const TensorView& o_a, const float* lse_a, const TensorView
 void cpu_merge_states(const TensorView& states, const float* lse, const int32_t* indptr,
                       const TensorView& o_out, float* lse_out);
 
-#if defined(TESSERA_HAVE_CUDA)
-// ---- cuda backend (src/cuda) ----
-void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
-                        void* stream);
-#endif
+// The CUDA backend's interface is src/cuda/cuda_backend.hpp (built when TESSERA_HAVE_CUDA).
 
 }  // namespace tessera::detail

@@ -1,0 +1,53 @@
+// Internal interface of the CUDA backend (host-callable; no CUDA headers needed to include it).
+// The core calls these after validation. All of them are asynchronous on `stream`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/problem.hpp"
+#include "tessera/attention.hpp"
+#include "tessera/ops.hpp"
+
+namespace tessera::detail {
+
+struct CudaDeviceInfo {
+  int device = 0;
+  int sm_major = 0, sm_minor = 0;
+  int num_sms = 0;
+  size_t max_smem_per_block_optin = 0;  // bytes
+  size_t smem_per_sm = 0;
+  int regs_per_sm = 0;
+  std::string name;
+};
+// Cached per device. Throws tessera::Error when no device / driver.
+const CudaDeviceInfo& cuda_device_info(int device);
+int cuda_device_count_or_zero();
+int cuda_current_device();
+
+// Fills the planner knobs for this device and problem (tile rows of the kernel that will serve
+// it, persistent worker count, split-KV policy).
+PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int head_dim,
+                            DType kv_dtype_hint, int device);
+
+// Attention: uploads the plan's lists into the workspace (WorkspaceLayout) and launches the
+// prefill or decode kernel, then the merge of split-KV partials.
+void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
+                        void* stream);
+
+// Ops (device pointers; arguments validated by the core).
+void cuda_apply_rope(const TensorView& q, const TensorView& k, const int32_t* positions,
+                     const RopeOptions& options, void* stream);
+void cuda_append_paged_kv(const TensorView& k_new, const TensorView& v_new,
+                          const int32_t* append_indptr, const KVSource& cache, int32_t batch_size,
+                          int32_t num_kv_heads, int32_t head_dim, const RopeOptions* rope,
+                          void* stream);
+void cuda_block_table_to_csr(const TensorView& block_table, const int32_t* seq_lens,
+                             int page_size, int32_t* page_indptr, int32_t* page_indices,
+                             int32_t* last_page_len, void* stream);
+void cuda_merge_state(const TensorView& o_a, const float* lse_a, const TensorView& o_b,
+                      const float* lse_b, const TensorView& o_out, float* lse_out, void* stream);
+void cuda_merge_states(const TensorView& states, const float* lse, const int32_t* indptr,
+                       const TensorView& o_out, float* lse_out, void* stream);
+
+}  // namespace tessera::detail
