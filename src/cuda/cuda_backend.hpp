@@ -35,6 +35,14 @@ PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, 
 void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
                         void* stream);
 
+// Memory helpers for the one-shot (synchronising) calls and the CLI. Implemented in
+// src/cuda/memory.cu; each throws tessera::Error(kRuntime) naming the CUDA error.
+void cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* stream);  // syncs stream
+void cuda_copy_to_device(void* dst, const void* src, size_t bytes, void* stream);  // syncs stream
+void* cuda_alloc(size_t bytes);
+void cuda_free(void* ptr);
+void cuda_synchronize(void* stream);
+
 // Ops (device pointers; arguments validated by the core).
 void cuda_apply_rope(const TensorView& q, const TensorView& k, const int32_t* positions,
                      const RopeOptions& options, void* stream);

@@ -1,0 +1,466 @@
+// The public attention entry points: validate -> plan -> dispatch.
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "core/dispatch.hpp"
+#include "core/planner.hpp"
+#include "core/validate.hpp"
+#include "tessera/attention.hpp"
+
+namespace tessera {
+namespace {
+
+using detail::ArgChecker;
+using detail::AttentionProblem;
+using detail::KVSource;
+
+void check_options(const ArgChecker& check, const AttentionOptions& options) {
+  check.require(options.window_left >= -1, "options.window_left",
+                "expected -1 (unbounded) or >= 0, got " + std::to_string(options.window_left));
+  check.require(options.window_right >= -1, "options.window_right",
+                "expected -1 (unbounded) or >= 0, got " + std::to_string(options.window_right));
+  check.require(std::isfinite(options.logits_soft_cap) && options.logits_soft_cap >= 0.0f,
+                "options.logits_soft_cap",
+                "expected a finite value >= 0 (0 = off), got " +
+                    std::to_string(options.logits_soft_cap));
+  check.require(std::isfinite(options.sm_scale) && options.sm_scale >= 0.0f, "options.sm_scale",
+                "expected a finite value >= 0 (0 = 1/sqrt(head_dim)), got " +
+                    std::to_string(options.sm_scale));
+  check.require(std::isfinite(options.k_scale) && options.k_scale > 0.0f, "options.k_scale",
+                "expected a finite value > 0, got " + std::to_string(options.k_scale));
+  check.require(std::isfinite(options.v_scale) && options.v_scale > 0.0f, "options.v_scale",
+                "expected a finite value > 0, got " + std::to_string(options.v_scale));
+}
+
+std::vector<int32_t> diffs(std::span<const int32_t> indptr) {
+  std::vector<int32_t> lengths(indptr.size() - 1);
+  for (size_t i = 0; i + 1 < indptr.size(); ++i) lengths[i] = indptr[i + 1] - indptr[i];
+  return lengths;
+}
+
+// kv_len per request of a paged cache; checks last_page_len.
+std::vector<int32_t> paged_kv_lens(const ArgChecker& check, std::span<const int32_t> page_indptr,
+                                   std::span<const int32_t> last_page_len, int page_size) {
+  check.require(page_size >= 1, "page_size", "expected >= 1, got " + std::to_string(page_size));
+  check.indptr(page_indptr, "page_indptr");
+  check.require(last_page_len.size() + 1 == page_indptr.size(), "last_page_len",
+                "expected batch_size = " + std::to_string(page_indptr.size() - 1) +
+                    " elements (one per request), got " + std::to_string(last_page_len.size()));
+  std::vector<int32_t> kv_lens(last_page_len.size());
+  for (size_t b = 0; b < last_page_len.size(); ++b) {
+    const int64_t pages = page_indptr[b + 1] - page_indptr[b];
+    if (pages == 0) {
+      kv_lens[b] = 0;
+      continue;
+    }
+    if (last_page_len[b] < 1 || last_page_len[b] > page_size) {
+      check.fail("last_page_len", "expected values in [1, page_size = " +
+                                      std::to_string(page_size) + "], got last_page_len[" +
+                                      std::to_string(b) + "] = " +
+                                      std::to_string(last_page_len[b]));
+    }
+    const int64_t len = (pages - 1) * page_size + last_page_len[b];
+    check.require(len <= INT32_MAX, "page_indptr",
+                  "request " + std::to_string(b) + " holds more than 2^31 - 1 keys");
+    kv_lens[b] = static_cast<int32_t>(len);
+  }
+  return kv_lens;
+}
+
+Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_lens,
+                std::vector<int32_t> kv_lens, int num_qo_heads, int num_kv_heads, int head_dim,
+                int page_size, const AttentionOptions& options, Device device) {
+  detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim);
+  check_options(check, options);
+  detail::check_device_usable(check, device);
+  detail::PlanShape shape;
+  shape.op = op;
+  shape.device = device;
+  shape.q_lens = std::move(q_lens);
+  shape.kv_lens = std::move(kv_lens);
+  shape.num_qo_heads = num_qo_heads;
+  shape.num_kv_heads = num_kv_heads;
+  shape.head_dim = head_dim;
+  shape.page_size = page_size;
+  shape.options = options;
+  return detail::make_plan(
+      shape, detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim));
+}
+
+// ---- run-time checks shared by the three ops ----
+
+void check_plan_op(const ArgChecker& check, const Plan& plan, AttentionOp op) {
+  check.require(plan.op == op, "plan",
+                std::string("expected a plan made by plan_") + op_name(op) + ", got one for " +
+                    op_name(plan.op));
+}
+
+std::initializer_list<DType> q_dtypes(Device device) {
+  static constexpr std::initializer_list<DType> kCpu = {DType::kFloat16, DType::kBFloat16,
+                                                        DType::kFloat32};
+  static constexpr std::initializer_list<DType> kGpu = {DType::kFloat16, DType::kBFloat16};
+  return device.type == DeviceType::kCPU ? kCpu : kGpu;
+}
+
+void check_q_o_lse(const ArgChecker& check, const Plan& plan, const TensorView& q,
+                   const TensorView& o, const TensorView& lse) {
+  const std::string q_layout = "[total_q, num_qo_heads, head_dim]";
+  check.tensor(q, "q", 3, q_layout);
+  check.dtype_in(q, "q", q_dtypes(plan.device));
+  check.device_is(q, "q", plan.device);
+  check.dim_is(q, "q", 0, plan.total_q, "total query tokens of the plan");
+  check.dim_is(q, "q", 1, plan.num_qo_heads, "num_qo_heads of the plan");
+  check.dim_is(q, "q", 2, plan.head_dim, "head_dim of the plan");
+  check.tensor(o, "o", 3, q_layout);
+  check.dtype_is(o, "o", q.dtype);
+  check.device_is(o, "o", plan.device);
+  for (int d = 0; d < 3; ++d) check.dim_is(o, "o", d, q.shape[d], "same shape as q");
+  if (has_value(lse)) {
+    check.tensor(lse, "lse", 2, "[total_q, num_qo_heads] of float32");
+    check.dtype_is(lse, "lse", DType::kFloat32);
+    check.device_is(lse, "lse", plan.device);
+    check.dim_is(lse, "lse", 0, plan.total_q, "total query tokens");
+    check.dim_is(lse, "lse", 1, plan.num_qo_heads, "num_qo_heads");
+  }
+}
+
+void check_kv_dtype(const ArgChecker& check, const TensorView& k, const TensorView& v,
+                    const TensorView& q, const char* k_name, const char* v_name) {
+  check.dtype_in(k, k_name,
+                 {q.dtype, DType::kFloat8E4M3, DType::kFloat8E5M2});
+  check.dtype_is(v, v_name, k.dtype);
+}
+
+void check_workspace(const ArgChecker& check, const Plan& plan, Workspace workspace) {
+  check.require(workspace.bytes >= plan.workspace_bytes, "workspace",
+                "too small: the plan needs " + std::to_string(plan.workspace_bytes) +
+                    " bytes, got " + std::to_string(workspace.bytes));
+  check.require(plan.workspace_bytes == 0 || workspace.data != nullptr, "workspace",
+                "data pointer is null");
+}
+
+// On the CPU the index arrays can be read: they must describe the same batch as the plan.
+void check_lengths_match(const ArgChecker& check, const char* arg,
+                         const std::vector<int32_t>& actual, const std::vector<int32_t>& planned,
+                         const char* what) {
+  for (size_t b = 0; b < planned.size(); ++b) {
+    if (actual[b] != planned[b]) {
+      check.fail(arg, "does not match the plan: request " + std::to_string(b) + " has " + what +
+                          " " + std::to_string(actual[b]) + " here but " +
+                          std::to_string(planned[b]) + " in the plan");
+    }
+  }
+}
+
+AttentionProblem base_problem(const Plan& plan, const TensorView& q, const TensorView& o,
+                              const TensorView& lse) {
+  AttentionProblem problem;
+  problem.q_dtype = q.dtype;
+  problem.batch_size = plan.batch_size;
+  problem.num_qo_heads = plan.num_qo_heads;
+  problem.num_kv_heads = plan.num_kv_heads;
+  problem.head_dim = plan.head_dim;
+  problem.q = q.data;
+  problem.q_stride_token = q.stride[0];
+  problem.q_stride_head = q.stride[1];
+  problem.o = o.data;
+  problem.o_stride_token = o.stride[0];
+  problem.o_stride_head = o.stride[1];
+  if (has_value(lse)) {
+    problem.lse = static_cast<float*>(lse.data);
+    problem.lse_stride_token = lse.stride[0];
+  }
+  const AttentionOptions& options = plan.options;
+  problem.sm_scale = options.sm_scale > 0.0f
+                         ? options.sm_scale
+                         : static_cast<float>(1.0 / std::sqrt(static_cast<double>(plan.head_dim)));
+  problem.soft_cap = options.logits_soft_cap;
+  problem.k_scale = options.k_scale;
+  problem.v_scale = options.v_scale;
+  problem.mask = detail::mask_of(options);
+  return problem;
+}
+
+int64_t total_of(const std::vector<int32_t>& lengths) {
+  return std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
+}
+
+// Validates a paged cache against the plan and fills the KV source.
+KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCache& kv,
+                      const TensorView& q) {
+  const bool nhd = kv.layout == KVLayout::kNHD;
+  check.require(kv.layout == KVLayout::kNHD || kv.layout == KVLayout::kHND, "kv.layout",
+                "expected NHD (0) or HND (1)");
+  const std::string layout = nhd ? "[num_pages, page_size, num_kv_heads, head_dim] (NHD)"
+                                 : "[num_pages, num_kv_heads, page_size, head_dim] (HND)";
+  const int token_dim = nhd ? 1 : 2, head_dim_index = nhd ? 2 : 1;
+  for (const auto& [view, name] : {std::pair{kv.k_cache, "k_cache"}, {kv.v_cache, "v_cache"}}) {
+    check.tensor(view, name, 4, layout);
+    check.device_is(view, name, plan.device);
+    check.dim_is(view, name, token_dim, plan.page_size, "page_size of the plan");
+    check.dim_is(view, name, head_dim_index, plan.num_kv_heads, "num_kv_heads of the plan");
+    check.dim_is(view, name, 3, plan.head_dim, "head_dim of the plan");
+  }
+  check.dim_is(kv.v_cache, "v_cache", 0, kv.k_cache.shape[0], "num_pages of k_cache");
+  check_kv_dtype(check, kv.k_cache, kv.v_cache, q, "k_cache", "v_cache");
+  const int64_t num_pages = kv.k_cache.shape[0];
+  check.index_array(kv.page_indptr, "page_indptr", plan.batch_size + 1, plan.device);
+  check.index_array(kv.page_indices, "page_indices", -1, plan.device);
+  check.index_array(kv.last_page_len, "last_page_len", plan.batch_size, plan.device);
+  int64_t planned_pages = 0;
+  for (int32_t len : plan.kv_lens) planned_pages += (len + plan.page_size - 1) / plan.page_size;
+  check.require(kv.page_indices.shape[0] >= planned_pages, "page_indices",
+                "expected at least " + std::to_string(planned_pages) +
+                    " entries (the pages of the plan's requests), got " +
+                    std::to_string(kv.page_indices.shape[0]));
+  if (plan.device.type == DeviceType::kCPU) {
+    const std::span<const int32_t> indptr(kv.page_indptr.ptr<const int32_t>(),
+                                          plan.batch_size + 1);
+    const std::span<const int32_t> last(kv.last_page_len.ptr<const int32_t>(), plan.batch_size);
+    const std::vector<int32_t> kv_lens = paged_kv_lens(check, indptr, last, plan.page_size);
+    check_lengths_match(check, "page_indptr", kv_lens, plan.kv_lens, "kv_len");
+    check.require(indptr.back() <= kv.page_indices.shape[0], "page_indices",
+                  "page_indptr[batch_size] = " + std::to_string(indptr.back()) +
+                      " exceeds its " + std::to_string(kv.page_indices.shape[0]) + " entries");
+    const int32_t* indices = kv.page_indices.ptr<const int32_t>();
+    for (int32_t i = 0; i < indptr.back(); ++i) {
+      if (indices[i] < 0 || indices[i] >= num_pages) {
+        check.fail("page_indices", "entry " + std::to_string(i) + " = " +
+                                       std::to_string(indices[i]) +
+                                       " is out of range [0, num_pages = " +
+                                       std::to_string(num_pages) + ")");
+      }
+    }
+  }
+  KVSource source;
+  source.dtype = kv.k_cache.dtype;
+  source.paged = true;
+  source.k = kv.k_cache.data;
+  source.v = kv.v_cache.data;
+  source.k_stride_page = kv.k_cache.stride[0];
+  source.v_stride_page = kv.v_cache.stride[0];
+  source.k_stride_token = kv.k_cache.stride[token_dim];
+  source.v_stride_token = kv.v_cache.stride[token_dim];
+  source.k_stride_head = kv.k_cache.stride[head_dim_index];
+  source.v_stride_head = kv.v_cache.stride[head_dim_index];
+  source.page_indptr = kv.page_indptr.ptr<const int32_t>();
+  source.page_indices = kv.page_indices.ptr<const int32_t>();
+  source.last_page_len = kv.last_page_len.ptr<const int32_t>();
+  source.page_size = plan.page_size;
+  return source;
+}
+
+void check_qo_indptr(const ArgChecker& check, const Plan& plan, const TensorView& qo_indptr) {
+  check.index_array(qo_indptr, "qo_indptr", plan.batch_size + 1, plan.device);
+  if (plan.device.type == DeviceType::kCPU) {
+    const std::span<const int32_t> values(qo_indptr.ptr<const int32_t>(), plan.batch_size + 1);
+    check.indptr(values, "qo_indptr");
+    check_lengths_match(check, "qo_indptr", diffs(values), plan.q_lens, "q_len");
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- plan
+
+Plan plan_ragged_prefill(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_indptr,
+                         int num_qo_heads, int num_kv_heads, int head_dim,
+                         const AttentionOptions& options, Device device) {
+  const ArgChecker check("plan_ragged_prefill");
+  check.indptr(qo_indptr, "qo_indptr");
+  check.indptr(kv_indptr, "kv_indptr");
+  check.require(kv_indptr.size() == qo_indptr.size(), "kv_indptr",
+                "expected batch_size + 1 = " + std::to_string(qo_indptr.size()) +
+                    " elements like qo_indptr, got " + std::to_string(kv_indptr.size()));
+  return build_plan(check, AttentionOp::kRaggedPrefill, diffs(qo_indptr), diffs(kv_indptr),
+                    num_qo_heads, num_kv_heads, head_dim, 0, options, device);
+}
+
+Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int32_t> page_indptr,
+                        std::span<const int32_t> last_page_len, int page_size, int num_qo_heads,
+                        int num_kv_heads, int head_dim, const AttentionOptions& options,
+                        Device device) {
+  const ArgChecker check("plan_paged_prefill");
+  check.indptr(qo_indptr, "qo_indptr");
+  std::vector<int32_t> kv_lens = paged_kv_lens(check, page_indptr, last_page_len, page_size);
+  check.require(page_indptr.size() == qo_indptr.size(), "page_indptr",
+                "expected batch_size + 1 = " + std::to_string(qo_indptr.size()) +
+                    " elements like qo_indptr, got " + std::to_string(page_indptr.size()));
+  return build_plan(check, AttentionOp::kPagedPrefill, diffs(qo_indptr), std::move(kv_lens),
+                    num_qo_heads, num_kv_heads, head_dim, page_size, options, device);
+}
+
+Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> last_page_len,
+                 int page_size, int num_qo_heads, int num_kv_heads, int head_dim,
+                 const AttentionOptions& options, Device device, int q_per_request) {
+  const ArgChecker check("plan_decode");
+  check.require(q_per_request >= 1 && q_per_request <= 64, "q_per_request",
+                "expected 1..64 query tokens per request, got " + std::to_string(q_per_request));
+  std::vector<int32_t> kv_lens = paged_kv_lens(check, page_indptr, last_page_len, page_size);
+  std::vector<int32_t> q_lens(kv_lens.size(), q_per_request);
+  return build_plan(check, AttentionOp::kDecode, std::move(q_lens), std::move(kv_lens),
+                    num_qo_heads, num_kv_heads, head_dim, page_size, options, device);
+}
+
+// ---------------------------------------------------------------- run
+
+void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& qo_indptr,
+                        const TensorView& kv_indptr, const TensorView& o, const TensorView& lse,
+                        Workspace workspace, void* stream) {
+  const ArgChecker check("run_ragged_prefill");
+  check_plan_op(check, plan, AttentionOp::kRaggedPrefill);
+  check_q_o_lse(check, plan, q, o, lse);
+  const std::string kv_layout = "[total_kv, num_kv_heads, head_dim]";
+  const int64_t total_kv = total_of(plan.kv_lens);
+  for (const auto& [view, name] : {std::pair{k, "k"}, {v, "v"}}) {
+    check.tensor(view, name, 3, kv_layout);
+    check.device_is(view, name, plan.device);
+    check.dim_is(view, name, 1, plan.num_kv_heads, "num_kv_heads of the plan");
+    check.dim_is(view, name, 2, plan.head_dim, "head_dim of the plan");
+    check.require(view.shape[0] >= total_kv, name,
+                  "expected at least " + std::to_string(total_kv) +
+                      " rows (the plan's kv tokens), got " + std::to_string(view.shape[0]));
+  }
+  check_kv_dtype(check, k, v, q, "k", "v");
+  check_qo_indptr(check, plan, qo_indptr);
+  check.index_array(kv_indptr, "kv_indptr", plan.batch_size + 1, plan.device);
+  if (plan.device.type == DeviceType::kCPU) {
+    const std::span<const int32_t> values(kv_indptr.ptr<const int32_t>(), plan.batch_size + 1);
+    check.indptr(values, "kv_indptr");
+    check_lengths_match(check, "kv_indptr", diffs(values), plan.kv_lens, "kv_len");
+    check.require(values.back() <= k.shape[0], "kv_indptr",
+                  "kv_indptr[batch_size] = " + std::to_string(values.back()) + " exceeds the " +
+                      std::to_string(k.shape[0]) + " rows of k");
+  }
+  check_workspace(check, plan, workspace);
+
+  AttentionProblem problem = base_problem(plan, q, o, lse);
+  problem.qo_indptr = qo_indptr.ptr<const int32_t>();
+  problem.kv.dtype = k.dtype;
+  problem.kv.paged = false;
+  problem.kv.k = k.data;
+  problem.kv.v = v.data;
+  problem.kv.k_stride_token = k.stride[0];
+  problem.kv.k_stride_head = k.stride[1];
+  problem.kv.v_stride_token = v.stride[0];
+  problem.kv.v_stride_head = v.stride[1];
+  problem.kv.kv_indptr = kv_indptr.ptr<const int32_t>();
+  detail::dispatch_attention(plan, problem, workspace, stream);
+}
+
+void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
+                       const TensorView& qo_indptr, const TensorView& o, const TensorView& lse,
+                       Workspace workspace, void* stream) {
+  const ArgChecker check("run_paged_prefill");
+  check_plan_op(check, plan, AttentionOp::kPagedPrefill);
+  check_q_o_lse(check, plan, q, o, lse);
+  KVSource source = paged_source(check, plan, kv, q);
+  check_qo_indptr(check, plan, qo_indptr);
+  check_workspace(check, plan, workspace);
+  AttentionProblem problem = base_problem(plan, q, o, lse);
+  problem.qo_indptr = qo_indptr.ptr<const int32_t>();
+  problem.kv = source;
+  detail::dispatch_attention(plan, problem, workspace, stream);
+}
+
+void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
+                const TensorView& o, const TensorView& lse, Workspace workspace, void* stream) {
+  const ArgChecker check("run_decode");
+  check_plan_op(check, plan, AttentionOp::kDecode);
+  check_q_o_lse(check, plan, q, o, lse);
+  KVSource source = paged_source(check, plan, kv, q);
+  check_workspace(check, plan, workspace);
+  AttentionProblem problem = base_problem(plan, q, o, lse);
+  problem.qo_indptr = nullptr;
+  problem.q_per_request = plan.batch_size > 0 ? plan.q_lens[0] : 1;
+  problem.kv = source;
+  detail::dispatch_attention(plan, problem, workspace, stream);
+}
+
+// ---------------------------------------------------------------- one-shot
+
+namespace {
+
+void check_one_shot_q(const ArgChecker& check, const TensorView& q) {
+  check.tensor(q, "q", 3, "[total_q, num_qo_heads, head_dim]");
+}
+
+}  // namespace
+
+void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& v,
+                    const TensorView& qo_indptr, const TensorView& kv_indptr, const TensorView& o,
+                    const TensorView& lse, const AttentionOptions& options, void* stream) {
+  const ArgChecker check("ragged_prefill");
+  check_one_shot_q(check, q);
+  check.tensor(k, "k", 3, "[total_kv, num_kv_heads, head_dim]");
+  check.index_array(qo_indptr, "qo_indptr", -1, q.device);
+  check.index_array(kv_indptr, "kv_indptr", -1, q.device);
+  const std::vector<int32_t> qo = detail::read_int32_array(qo_indptr, stream);
+  const std::vector<int32_t> kvp = detail::read_int32_array(kv_indptr, stream);
+  const Plan plan = plan_ragged_prefill(qo, kvp, static_cast<int>(q.shape[1]),
+                                        static_cast<int>(k.shape[1]),
+                                        static_cast<int>(q.shape[2]), options, q.device);
+  detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
+  run_ragged_prefill(plan, q, k, v, qo_indptr, kv_indptr, o, lse, scratch.workspace(), stream);
+}
+
+namespace {
+
+int kv_heads_of(const ArgChecker& check, const PagedKVCache& kv) {
+  check.tensor(kv.k_cache, "k_cache", 4,
+               "[num_pages, page_size, num_kv_heads, head_dim] (NHD) or "
+               "[num_pages, num_kv_heads, page_size, head_dim] (HND)");
+  return static_cast<int>(kv.layout == KVLayout::kNHD ? kv.k_cache.shape[2]
+                                                      : kv.k_cache.shape[1]);
+}
+
+int page_size_of(const PagedKVCache& kv) {
+  return static_cast<int>(kv.layout == KVLayout::kNHD ? kv.k_cache.shape[1]
+                                                      : kv.k_cache.shape[2]);
+}
+
+}  // namespace
+
+void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView& qo_indptr,
+                   const TensorView& o, const TensorView& lse, const AttentionOptions& options,
+                   void* stream) {
+  const ArgChecker check("paged_prefill");
+  check_one_shot_q(check, q);
+  const int num_kv_heads = kv_heads_of(check, kv);
+  check.index_array(qo_indptr, "qo_indptr", -1, q.device);
+  check.index_array(kv.page_indptr, "page_indptr", qo_indptr.shape[0], q.device);
+  check.index_array(kv.last_page_len, "last_page_len", qo_indptr.shape[0] - 1, q.device);
+  const std::vector<int32_t> qo = detail::read_int32_array(qo_indptr, stream);
+  const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
+  const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
+  const Plan plan =
+      plan_paged_prefill(qo, pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
+                         num_kv_heads, static_cast<int>(q.shape[2]), options, q.device);
+  detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
+  run_paged_prefill(plan, q, kv, qo_indptr, o, lse, scratch.workspace(), stream);
+}
+
+void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
+            const TensorView& lse, const AttentionOptions& options, void* stream) {
+  const ArgChecker check("decode");
+  check_one_shot_q(check, q);
+  const int num_kv_heads = kv_heads_of(check, kv);
+  check.index_array(kv.page_indptr, "page_indptr", -1, q.device);
+  const int64_t batch = kv.page_indptr.shape[0] - 1;
+  check.require(batch >= 1, "page_indptr", "expected batch_size + 1 >= 2 elements");
+  check.require(q.shape[0] % batch == 0, "q",
+                "expected batch_size x q_per_request rows, got " + std::to_string(q.shape[0]) +
+                    " rows for a batch of " + std::to_string(batch));
+  check.index_array(kv.last_page_len, "last_page_len", batch, q.device);
+  const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
+  const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
+  const Plan plan = plan_decode(pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
+                                num_kv_heads, static_cast<int>(q.shape[2]), options, q.device,
+                                static_cast<int>(q.shape[0] / batch));
+  detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
+  run_decode(plan, q, kv, o, lse, scratch.workspace(), stream);
+}
+
+}  // namespace tessera

@@ -1,0 +1,36 @@
+// Device queries of the public backend API.
+#include <string>
+
+#include "cpu/cpu_info.hpp"
+#include "tessera/backend.hpp"
+#if defined(TESSERA_HAVE_CUDA)
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace tessera {
+
+int cuda_device_count() {
+#if defined(TESSERA_HAVE_CUDA)
+  return detail::cuda_device_count_or_zero();
+#else
+  return 0;
+#endif
+}
+
+bool cuda_available() { return cuda_device_count() > 0; }
+
+std::string describe_device(Device device) {
+  if (device.type == DeviceType::kCPU) {
+    return "cpu: " + std::to_string(num_threads()) + " threads, " + detail::cpu_isa_name();
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  const detail::CudaDeviceInfo& info = detail::cuda_device_info(device.index);
+  return "cuda:" + std::to_string(device.index) + " " + info.name + " sm_" +
+         std::to_string(info.sm_major) + std::to_string(info.sm_minor) + ", " +
+         std::to_string(info.num_sms) + " SMs";
+#else
+  return "cuda:" + std::to_string(device.index) + " (no CUDA backend in this build)";
+#endif
+}
+
+}  // namespace tessera

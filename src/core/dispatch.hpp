@@ -1,0 +1,39 @@
+// Dispatch: which backend (and which planner knobs) serves a call on a given device.
+#pragma once
+
+#include "core/problem.hpp"
+#include "core/validate.hpp"
+#include "tessera/attention.hpp"
+
+namespace tessera::detail {
+
+// Throws a clear error when `device` cannot run anything in this build / on this host.
+void check_device_usable(const ArgChecker& check, Device device);
+
+// The planner knobs of the backend that will serve (op, device, heads, head_dim).
+PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
+                           int head_dim);
+
+// Runs a validated problem with its plan on the plan's device.
+void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
+                        void* stream);
+
+// Scratch memory on a device for the one-shot calls (host vector or cudaMalloc).
+class ScratchBuffer {
+ public:
+  ScratchBuffer(Device device, size_t bytes);
+  ~ScratchBuffer();
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  Workspace workspace() const { return {data_, bytes_}; }
+
+ private:
+  Device device_;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Reads a small int32 device or host array into a host vector (synchronises a CUDA stream).
+std::vector<int32_t> read_int32_array(const TensorView& view, void* stream);
+
+}  // namespace tessera::detail

@@ -1,0 +1,301 @@
+// Public entry points of the auxiliary ops: validate, then dispatch to the CPU or CUDA backend.
+#include <cmath>
+#include <vector>
+
+#include "core/backends.hpp"
+#include "core/dispatch.hpp"
+#include "core/validate.hpp"
+#include "tessera/ops.hpp"
+#if defined(TESSERA_HAVE_CUDA)
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace tessera {
+namespace {
+
+using detail::ArgChecker;
+
+constexpr std::initializer_list<DType> kFloatDtypes = {DType::kFloat32, DType::kFloat16,
+                                                       DType::kBFloat16};
+
+bool on_cpu(const TensorView& view) { return view.device.type == DeviceType::kCPU; }
+
+void check_rope_options(const ArgChecker& check, const RopeOptions& options, int64_t head_dim) {
+  const int64_t rotary = options.rotary_dim == 0 ? head_dim : options.rotary_dim;
+  check.require(rotary >= 2 && rotary <= head_dim && rotary % 2 == 0, "rope.rotary_dim",
+                "expected an even value in [2, head_dim = " + std::to_string(head_dim) +
+                    "] (0 = head_dim), got " + std::to_string(options.rotary_dim));
+  check.require(std::isfinite(options.rope_theta) && options.rope_theta > 0, "rope.rope_theta",
+                "expected a finite value > 0");
+  check.require(std::isfinite(options.rope_scale) && options.rope_scale > 0, "rope.rope_scale",
+                "expected a finite value > 0");
+  if (options.llama31) {
+    check.require(options.llama31_factor > 0 && std::isfinite(options.llama31_factor),
+                  "rope.llama31_factor", "expected a finite value > 0");
+    check.require(options.llama31_low_freq_factor > 0 &&
+                      options.llama31_high_freq_factor > options.llama31_low_freq_factor,
+                  "rope.llama31_high_freq_factor",
+                  "expected high_freq_factor > low_freq_factor > 0");
+    check.require(options.llama31_original_max_position > 0,
+                  "rope.llama31_original_max_position", "expected > 0");
+  }
+}
+
+// Throws unless `view` is usable on `device` (CUDA present etc.).
+void check_usable(const ArgChecker& check, Device device) {
+  detail::check_device_usable(check, device);
+}
+
+void check_merge_operand(const ArgChecker& check, const TensorView& o, const char* o_name,
+                         const TensorView& lse, const char* lse_name, int64_t rows,
+                         int64_t heads, int64_t head_dim, Device device) {
+  check.tensor(o, o_name, 3, "[N, num_heads, head_dim]");
+  check.dtype_in(o, o_name, kFloatDtypes);
+  check.device_is(o, o_name, device);
+  check.dim_is(o, o_name, 0, rows, "N");
+  check.dim_is(o, o_name, 1, heads, "num_heads");
+  check.dim_is(o, o_name, 2, head_dim, "head_dim");
+  if (lse_name == nullptr) return;
+  check.tensor(lse, lse_name, 2, "[N, num_heads] of float32");
+  check.dtype_is(lse, lse_name, DType::kFloat32);
+  check.device_is(lse, lse_name, device);
+  check.dim_is(lse, lse_name, 0, rows, "N");
+  check.dim_is(lse, lse_name, 1, heads, "num_heads");
+  check.require(lse.is_contiguous(), lse_name, "expected a contiguous tensor");
+}
+
+}  // namespace
+
+void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorView& positions,
+                        const RopeOptions& options, void* stream) {
+  const ArgChecker check("apply_rope_inplace");
+  check.require(has_value(q) || has_value(k), "q", "expected q or k (or both), got neither");
+  const TensorView& first = has_value(q) ? q : k;
+  check.tensor(first, has_value(q) ? "q" : "k", 3, "[nnz, num_heads, head_dim]");
+  const Device device = first.device;
+  const int64_t nnz = first.shape[0], head_dim = first.shape[2];
+  for (const auto& [view, name] : {std::pair{q, "q"}, {k, "k"}}) {
+    if (!has_value(view)) continue;
+    check.tensor(view, name, 3, "[nnz, num_heads, head_dim]");
+    check.dtype_in(view, name, kFloatDtypes);
+    check.device_is(view, name, device);
+    check.dim_is(view, name, 0, nnz, "nnz, the token count of q/k");
+    check.dim_is(view, name, 2, head_dim, "head_dim");
+  }
+  check.index_array(positions, "positions", nnz, device);
+  check_rope_options(check, options, head_dim);
+  check_usable(check, device);
+  if (on_cpu(first)) {
+    detail::cpu_apply_rope(q, k, positions.ptr<const int32_t>(), options);
+    return;
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  detail::cuda_apply_rope(q, k, positions.ptr<const int32_t>(), options, stream);
+#endif
+}
+
+void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
+                           const TensorView& append_indptr, const PagedKVCache& kv,
+                           const RopeOptions* rope, void* stream) {
+  const ArgChecker check("append_paged_kv_cache");
+  check.tensor(k_new, "k_new", 3, "[nnz, num_kv_heads, head_dim]");
+  const Device device = k_new.device;
+  check_usable(check, device);
+  check.dtype_in(k_new, "k_new", kFloatDtypes);
+  check.tensor(v_new, "v_new", 3, "[nnz, num_kv_heads, head_dim]");
+  check.dtype_is(v_new, "v_new", k_new.dtype);
+  check.device_is(v_new, "v_new", device);
+  for (int d = 0; d < 3; ++d) check.dim_is(v_new, "v_new", d, k_new.shape[d], "shape of k_new");
+  const bool nhd = kv.layout == KVLayout::kNHD;
+  check.require(kv.layout == KVLayout::kNHD || kv.layout == KVLayout::kHND, "kv.layout",
+                "expected NHD (0) or HND (1)");
+  const int token_dim = nhd ? 1 : 2, head_index = nhd ? 2 : 1;
+  for (const auto& [view, name] : {std::pair{kv.k_cache, "k_cache"}, {kv.v_cache, "v_cache"}}) {
+    check.tensor(view, name, 4,
+                 nhd ? "[num_pages, page_size, num_kv_heads, head_dim] (NHD)"
+                     : "[num_pages, num_kv_heads, page_size, head_dim] (HND)");
+    check.device_is(view, name, device);
+    check.dtype_in(view, name,
+                   {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3,
+                    DType::kFloat8E5M2});
+    check.dim_is(view, name, head_index, k_new.shape[1], "num_kv_heads of k_new");
+    check.dim_is(view, name, 3, k_new.shape[2], "head_dim of k_new");
+  }
+  check.dtype_is(kv.v_cache, "v_cache", kv.k_cache.dtype);
+  for (int d = 0; d < 4; ++d) {
+    check.dim_is(kv.v_cache, "v_cache", d, kv.k_cache.shape[d], "shape of k_cache");
+  }
+  const int64_t page_size = kv.k_cache.shape[token_dim];
+  check.require(page_size >= 1, "k_cache", "page_size must be >= 1");
+  check.index_array(append_indptr, "append_indptr", -1, device);
+  const int64_t batch = append_indptr.shape[0] - 1;
+  check.require(batch >= 0, "append_indptr", "expected batch_size + 1 >= 1 elements");
+  check.index_array(kv.page_indptr, "page_indptr", batch + 1, device);
+  check.index_array(kv.page_indices, "page_indices", -1, device);
+  check.index_array(kv.last_page_len, "last_page_len", batch, device);
+  if (rope) check_rope_options(check, *rope, k_new.shape[2]);
+
+  detail::KVSource cache;
+  cache.dtype = kv.k_cache.dtype;
+  cache.paged = true;
+  cache.k = kv.k_cache.data;
+  cache.v = kv.v_cache.data;
+  cache.k_stride_page = kv.k_cache.stride[0];
+  cache.v_stride_page = kv.v_cache.stride[0];
+  cache.k_stride_token = kv.k_cache.stride[token_dim];
+  cache.v_stride_token = kv.v_cache.stride[token_dim];
+  cache.k_stride_head = kv.k_cache.stride[head_index];
+  cache.v_stride_head = kv.v_cache.stride[head_index];
+  cache.page_indptr = kv.page_indptr.ptr<const int32_t>();
+  cache.page_indices = kv.page_indices.ptr<const int32_t>();
+  cache.last_page_len = kv.last_page_len.ptr<const int32_t>();
+  cache.page_size = static_cast<int32_t>(page_size);
+
+  if (on_cpu(k_new)) {
+    // Host arrays can be checked completely before anything is written.
+    const int32_t* append = append_indptr.ptr<const int32_t>();
+    check.indptr(std::span<const int32_t>(append, batch + 1), "append_indptr");
+    check.require(append[batch] == k_new.shape[0], "append_indptr",
+                  "append_indptr[batch_size] = " + std::to_string(append[batch]) +
+                      " must equal the " + std::to_string(k_new.shape[0]) + " rows of k_new");
+    const std::span<const int32_t> pages(cache.page_indptr, batch + 1);
+    check.indptr(pages, "page_indptr");
+    check.require(pages.back() <= kv.page_indices.shape[0], "page_indices",
+                  "page_indptr[batch_size] exceeds the length of page_indices");
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t num_pages = pages[b + 1] - pages[b];
+      if (num_pages > 0) {
+        check.require(cache.last_page_len[b] >= 1 && cache.last_page_len[b] <= page_size,
+                      "last_page_len",
+                      "expected values in [1, page_size], got last_page_len[" +
+                          std::to_string(b) + "] = " + std::to_string(cache.last_page_len[b]));
+      }
+      check.require(cache.kv_len(static_cast<int>(b)) >= append[b + 1] - append[b],
+                    "page_indptr",
+                    "request " + std::to_string(b) + " appends " +
+                        std::to_string(append[b + 1] - append[b]) +
+                        " rows but its pages hold only " +
+                        std::to_string(cache.kv_len(static_cast<int>(b))) +
+                        " (the page table must describe the cache after the append)");
+    }
+    for (int32_t i = 0; i < pages.back(); ++i) {
+      const int32_t page = cache.page_indices[i];
+      check.require(page >= 0 && page < kv.k_cache.shape[0], "page_indices",
+                    "entry " + std::to_string(i) + " = " + std::to_string(page) +
+                        " is out of range [0, num_pages = " +
+                        std::to_string(kv.k_cache.shape[0]) + ")");
+    }
+    detail::cpu_append_paged_kv(k_new, v_new, append, cache, static_cast<int32_t>(batch),
+                                static_cast<int32_t>(k_new.shape[1]),
+                                static_cast<int32_t>(k_new.shape[2]), rope);
+    return;
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  detail::cuda_append_paged_kv(k_new, v_new, append_indptr.ptr<const int32_t>(), cache,
+                               static_cast<int32_t>(batch), static_cast<int32_t>(k_new.shape[1]),
+                               static_cast<int32_t>(k_new.shape[2]), rope, stream);
+#endif
+}
+
+void block_table_to_csr(const TensorView& block_table, const TensorView& seq_lens, int page_size,
+                        const TensorView& page_indptr, const TensorView& page_indices,
+                        const TensorView& last_page_len, void* stream) {
+  const ArgChecker check("block_table_to_csr");
+  check.tensor(block_table, "block_table", 2, "[batch_size, max_pages] of int32");
+  check.dtype_is(block_table, "block_table", DType::kInt32);
+  const Device device = block_table.device;
+  check_usable(check, device);
+  check.device_is(block_table, "block_table", device);
+  const int64_t batch = block_table.shape[0], max_pages = block_table.shape[1];
+  check.require(page_size >= 1, "page_size", "expected >= 1, got " + std::to_string(page_size));
+  check.index_array(seq_lens, "seq_lens", batch, device);
+  check.index_array(page_indptr, "page_indptr", batch + 1, device);
+  check.index_array(page_indices, "page_indices", -1, device);
+  check.index_array(last_page_len, "last_page_len", batch, device);
+  check.require(page_indices.shape[0] >= batch * max_pages || on_cpu(block_table),
+                "page_indices",
+                "expected room for batch_size x max_pages = " + std::to_string(batch * max_pages) +
+                    " entries, got " + std::to_string(page_indices.shape[0]));
+  if (on_cpu(block_table)) {
+    const int32_t* lens = seq_lens.ptr<const int32_t>();
+    int64_t total_pages = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      check.require(lens[b] >= 0, "seq_lens",
+                    "expected lengths >= 0, got seq_lens[" + std::to_string(b) +
+                        "] = " + std::to_string(lens[b]));
+      const int64_t pages = (static_cast<int64_t>(lens[b]) + page_size - 1) / page_size;
+      check.require(pages <= max_pages, "seq_lens",
+                    "seq_lens[" + std::to_string(b) + "] = " + std::to_string(lens[b]) +
+                        " needs " + std::to_string(pages) + " pages but block_table has " +
+                        std::to_string(max_pages) + " columns");
+      total_pages += pages;
+    }
+    check.require(total_pages <= page_indices.shape[0], "page_indices",
+                  "expected room for " + std::to_string(total_pages) + " entries, got " +
+                      std::to_string(page_indices.shape[0]));
+    detail::cpu_block_table_to_csr(block_table, lens, page_size, page_indptr.ptr<int32_t>(),
+                                   page_indices.ptr<int32_t>(), last_page_len.ptr<int32_t>());
+    return;
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  detail::cuda_block_table_to_csr(block_table, seq_lens.ptr<const int32_t>(), page_size,
+                                  page_indptr.ptr<int32_t>(), page_indices.ptr<int32_t>(),
+                                  last_page_len.ptr<int32_t>(), stream);
+#endif
+}
+
+void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
+                 const TensorView& lse_b, const TensorView& o_out, const TensorView& lse_out,
+                 void* stream) {
+  const ArgChecker check("merge_state");
+  check.tensor(o_a, "o_a", 3, "[N, num_heads, head_dim]");
+  const Device device = o_a.device;
+  check_usable(check, device);
+  const int64_t rows = o_a.shape[0], heads = o_a.shape[1], dim = o_a.shape[2];
+  check_merge_operand(check, o_a, "o_a", lse_a, "lse_a", rows, heads, dim, device);
+  check_merge_operand(check, o_b, "o_b", lse_b, "lse_b", rows, heads, dim, device);
+  check_merge_operand(check, o_out, "o_out", lse_out, has_value(lse_out) ? "lse_out" : nullptr,
+                      rows, heads, dim, device);
+  float* lse_out_ptr = has_value(lse_out) ? lse_out.ptr<float>() : nullptr;
+  if (on_cpu(o_a)) {
+    detail::cpu_merge_state(o_a, lse_a.ptr<const float>(), o_b, lse_b.ptr<const float>(), o_out,
+                            lse_out_ptr);
+    return;
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  detail::cuda_merge_state(o_a, lse_a.ptr<const float>(), o_b, lse_b.ptr<const float>(), o_out,
+                           lse_out_ptr, stream);
+#endif
+}
+
+void merge_states(const TensorView& states, const TensorView& lse, const TensorView& indptr,
+                  const TensorView& o_out, const TensorView& lse_out, void* stream) {
+  const ArgChecker check("merge_states");
+  check.tensor(states, "states", 3, "[num_states, num_heads, head_dim]");
+  const Device device = states.device;
+  check_usable(check, device);
+  const int64_t num_states = states.shape[0], heads = states.shape[1], dim = states.shape[2];
+  check_merge_operand(check, states, "states", lse, "lse", num_states, heads, dim, device);
+  check.index_array(indptr, "indptr", -1, device);
+  const int64_t rows = indptr.shape[0] - 1;
+  check.require(rows >= 0, "indptr", "expected N + 1 >= 1 elements");
+  check_merge_operand(check, o_out, "o_out", lse_out, has_value(lse_out) ? "lse_out" : nullptr,
+                      rows, heads, dim, device);
+  float* lse_out_ptr = has_value(lse_out) ? lse_out.ptr<float>() : nullptr;
+  if (on_cpu(states)) {
+    const int64_t last =
+        check.indptr(std::span<const int32_t>(indptr.ptr<const int32_t>(), rows + 1), "indptr");
+    check.require(last <= num_states, "indptr",
+                  "indptr[N] = " + std::to_string(last) + " exceeds the " +
+                      std::to_string(num_states) + " states");
+    detail::cpu_merge_states(states, lse.ptr<const float>(), indptr.ptr<const int32_t>(), o_out,
+                             lse_out_ptr);
+    return;
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  detail::cuda_merge_states(states, lse.ptr<const float>(), indptr.ptr<const int32_t>(), o_out,
+                            lse_out_ptr, stream);
+#endif
+}
+
+}  // namespace tessera

@@ -1,0 +1,246 @@
+#include "core/planner.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <queue>
+#include <sstream>
+
+#include "core/validate.hpp"
+#include "core/workspace_layout.hpp"
+
+namespace tessera::detail {
+
+MaskSpec mask_of(const AttentionOptions& options) {
+  MaskSpec mask;
+  mask.causal = options.causal;
+  mask.window_left = options.window_left;
+  mask.window_right = options.window_right;
+  return mask;
+}
+
+double work_item_cost(const WorkItem& item, const MaskSpec& mask, int32_t q_len_of_request,
+                      int32_t kv_len_of_request, int32_t group_size) {
+  int64_t pairs = 0;
+  for (int32_t t = item.q_start; t < item.q_start + item.q_len; ++t) {
+    int32_t first, last;
+    mask.visible_range(t, q_len_of_request, kv_len_of_request, &first, &last);
+    first = std::max(first, item.kv_start);
+    last = std::min(last, item.kv_end);
+    if (last > first) pairs += last - first;
+  }
+  const double keys = static_cast<double>(item.kv_end - item.kv_start);
+  return static_cast<double>(pairs) * group_size + keys * kCostPerKeyRead + kCostPerItem;
+}
+
+namespace {
+
+// The keys any row of tokens [q_start, q_start + q_len) may see: rows' visible ranges move
+// monotonically with the row, so the union is [first of the first row, last of the last row).
+void tile_key_range(const MaskSpec& mask, int32_t q_start, int32_t q_len, int32_t q_len_total,
+                    int32_t kv_len, int32_t* kv_start, int32_t* kv_end) {
+  int32_t first_lo, last_lo, first_hi, last_hi;
+  mask.visible_range(q_start, q_len_total, kv_len, &first_lo, &last_lo);
+  mask.visible_range(q_start + q_len - 1, q_len_total, kv_len, &first_hi, &last_hi);
+  *kv_start = first_lo;
+  *kv_end = std::max(first_lo, last_hi);
+}
+
+int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
+
+}  // namespace
+
+Plan make_plan(const PlanShape& shape, const PlanConfig& config) {
+  const ArgChecker check(std::string("plan_") + op_name(shape.op));
+  const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
+  if (config.q_tile_rows < group) {
+    check.unsupported("num_qo_heads", "a GQA group of " + std::to_string(group) +
+                                          " query heads per kv head exceeds the " +
+                                          std::to_string(config.q_tile_rows) +
+                                          " packed query rows of this backend's tile");
+  }
+  check.require(config.num_workers >= 1, "config.num_workers", "expected >= 1");
+  check.require(config.min_kv_chunk >= 1, "config.min_kv_chunk", "expected >= 1");
+
+  Plan plan;
+  plan.op = shape.op;
+  plan.device = shape.device;
+  plan.batch_size = static_cast<int32_t>(shape.q_lens.size());
+  plan.num_qo_heads = shape.num_qo_heads;
+  plan.num_kv_heads = shape.num_kv_heads;
+  plan.head_dim = shape.head_dim;
+  plan.page_size = shape.page_size;
+  plan.options = shape.options;
+  plan.config = config;
+  plan.q_lens = shape.q_lens;
+  plan.kv_lens = shape.kv_lens;
+  for (int32_t len : shape.q_lens) plan.total_q += len;
+
+  const MaskSpec mask = mask_of(shape.options);
+  const int32_t tokens_per_tile = std::max(1, config.q_tile_rows / group);
+
+  // 1. Tiles, each with the key range its rows can see.
+  std::vector<WorkItem> tiles;
+  std::vector<double> tile_costs;
+  double total_cost = 0;
+  for (int32_t b = 0; b < plan.batch_size; ++b) {
+    const int32_t q_len = shape.q_lens[b], kv_len = shape.kv_lens[b];
+    for (int32_t q_start = 0; q_start < q_len; q_start += tokens_per_tile) {
+      const int32_t tile_len = std::min(tokens_per_tile, q_len - q_start);
+      int32_t kv_start, kv_end;
+      tile_key_range(mask, q_start, tile_len, q_len, kv_len, &kv_start, &kv_end);
+      for (int32_t h = 0; h < shape.num_kv_heads; ++h) {
+        WorkItem item{b, h, q_start, tile_len, kv_start, kv_end, -1};
+        const double cost = work_item_cost(item, mask, q_len, kv_len, group);
+        tiles.push_back(item);
+        tile_costs.push_back(cost);
+        total_cost += cost;
+      }
+    }
+  }
+
+  // 2. Split-KV: a tile costing more than a fair share of the work is cut into key chunks.
+  //    Deterministic mode cuts at fixed absolute key positions (multiples of min_kv_chunk), so
+  //    the arithmetic of a row never depends on what else is in the batch.
+  const double fair_share = total_cost / config.num_workers;
+  std::vector<WorkItem>& work = plan.work;
+  std::vector<double> costs;
+  int64_t partial_rows = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const WorkItem& tile = tiles[i];
+    const int32_t range = tile.kv_end - tile.kv_start;
+    int32_t chunk = range;
+    if (config.split_kv && range > config.min_kv_chunk) {
+      if (config.deterministic) {
+        chunk = config.min_kv_chunk;
+      } else if (tile_costs[i] > fair_share) {
+        const int32_t by_cost = static_cast<int32_t>(std::ceil(tile_costs[i] / fair_share));
+        const int32_t by_size = ceil_div(range, config.min_kv_chunk);
+        const int32_t pieces = std::max(1, std::min(by_cost, by_size));
+        chunk = ceil_div(ceil_div(range, pieces), kSplitAlignment) * kSplitAlignment;
+        chunk = std::max(chunk, config.min_kv_chunk);
+      }
+    }
+    std::vector<WorkItem> pieces;
+    if (chunk >= range) {
+      pieces.push_back(tile);
+    } else {
+      // Deterministic: boundaries at absolute multiples of chunk; otherwise from kv_start.
+      int32_t start = tile.kv_start;
+      while (start < tile.kv_end) {
+        int32_t end = config.deterministic ? (start / chunk + 1) * chunk : start + chunk;
+        end = std::min(end, tile.kv_end);
+        WorkItem piece = tile;
+        piece.kv_start = start;
+        piece.kv_end = end;
+        pieces.push_back(piece);
+        start = end;
+      }
+    }
+    if (pieces.size() > 1) {
+      const int32_t rows = tile.q_len * group;
+      MergeItem merge{tile.request, tile.kv_head, tile.q_start, tile.q_len,
+                      static_cast<int32_t>(partial_rows), static_cast<int32_t>(pieces.size())};
+      for (size_t s = 0; s < pieces.size(); ++s) {
+        pieces[s].partial_row = static_cast<int32_t>(partial_rows + s * rows);
+      }
+      partial_rows += static_cast<int64_t>(rows) * pieces.size();
+      plan.merges.push_back(merge);
+    }
+    for (const WorkItem& piece : pieces) {
+      const int32_t b = piece.request;
+      work.push_back(piece);
+      costs.push_back(pieces.size() == 1 ? tile_costs[i]
+                                         : work_item_cost(piece, mask, shape.q_lens[b],
+                                                          shape.kv_lens[b], group));
+    }
+  }
+  plan.num_partial_rows = partial_rows;
+
+  // 3. LPT: longest item first onto the least-loaded worker (ties: lowest index), so the plan is
+  //    deterministic and the most expensive items start first.
+  std::vector<int32_t> order(work.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return costs[a] > costs[b]; });
+  using Load = std::pair<double, int32_t>;
+  std::priority_queue<Load, std::vector<Load>, std::greater<Load>> loads;
+  for (int32_t w = 0; w < config.num_workers; ++w) loads.push({0.0, w});
+  std::vector<int32_t> owner(work.size());
+  std::vector<double> worker_cost(config.num_workers, 0.0);
+  for (int32_t index : order) {
+    auto [load, worker] = loads.top();
+    loads.pop();
+    owner[index] = worker;
+    worker_cost[worker] = load + costs[index];
+    loads.push({worker_cost[worker], worker});
+  }
+  // Group by worker, keeping each worker's items in longest-first order.
+  std::vector<int32_t> count(config.num_workers + 1, 0);
+  for (int32_t index : order) ++count[owner[index] + 1];
+  plan.worker_indptr.assign(config.num_workers + 1, 0);
+  for (int32_t w = 0; w < config.num_workers; ++w) {
+    plan.worker_indptr[w + 1] = plan.worker_indptr[w] + count[w + 1];
+  }
+  std::vector<WorkItem> ordered(work.size());
+  std::vector<int32_t> cursor(plan.worker_indptr.begin(), plan.worker_indptr.end() - 1);
+  for (int32_t index : order) ordered[cursor[owner[index]]++] = work[index];
+  work = std::move(ordered);
+
+  plan.total_cost = total_cost;
+  plan.max_worker_cost =
+      worker_cost.empty() ? 0.0 : *std::max_element(worker_cost.begin(), worker_cost.end());
+  plan.workspace_bytes = WorkspaceLayout::of(plan).total;
+  return plan;
+}
+
+}  // namespace tessera::detail
+
+namespace tessera {
+
+std::string Plan::explain() const {
+  std::ostringstream out;
+  const int32_t group = num_kv_heads > 0 ? num_qo_heads / num_kv_heads : 0;
+  int64_t total_kv = 0;
+  for (int32_t len : kv_lens) total_kv += len;
+  out << "plan: " << op_name(op) << " on " << device_name(device) << "\n"
+      << "  batch " << batch_size << ", query tokens " << total_q << ", kv tokens " << total_kv
+      << ", heads " << num_qo_heads << " qo / " << num_kv_heads << " kv (group " << group
+      << "), head_dim " << head_dim;
+  if (page_size > 0) out << ", page_size " << page_size;
+  out << "\n  mask: " << (options.causal ? "causal" : "full") << ", window ("
+      << options.window_left << ", " << options.window_right << "), soft-cap "
+      << options.logits_soft_cap << "\n";
+  out << "  tiling: " << config.q_tile_rows << " packed rows per tile ("
+      << std::max(1, config.q_tile_rows / std::max(1, group)) << " tokens x " << group
+      << " heads), " << config.num_workers << " workers, split-KV "
+      << (config.split_kv ? "on" : "off") << " (min chunk " << config.min_kv_chunk << " keys"
+      << (config.deterministic ? ", deterministic fixed chunks" : "") << ")\n";
+  int64_t split_pieces = 0;
+  for (const MergeItem& m : merges) split_pieces += m.num_splits;
+  out << "  work items " << work.size() << " (" << merges.size() << " tiles split into "
+      << split_pieces << " pieces), partial rows " << num_partial_rows << ", workspace "
+      << workspace_bytes << " bytes\n";
+  const int32_t workers = static_cast<int32_t>(worker_indptr.size()) - 1;
+  int32_t busy = 0;
+  for (int32_t w = 0; w < workers; ++w) busy += worker_indptr[w + 1] > worker_indptr[w];
+  const double mean = workers > 0 ? total_cost / workers : 0.0;
+  out << "  cost: total " << total_cost << ", busiest worker " << max_worker_cost << ", mean "
+      << mean << ", imbalance (max/mean) " << (mean > 0 ? max_worker_cost / mean : 1.0) << ", "
+      << busy << "/" << workers << " workers busy\n";
+  const size_t shown = std::min<size_t>(work.size(), 16);
+  for (int32_t w = 0, printed = 0; w < workers && printed < static_cast<int32_t>(shown); ++w) {
+    for (int32_t i = worker_indptr[w]; i < worker_indptr[w + 1] && printed < 16; ++i, ++printed) {
+      const WorkItem& item = work[i];
+      out << "    worker " << w << ": request " << item.request << " kv_head " << item.kv_head
+          << " q [" << item.q_start << ", " << item.q_start + item.q_len << ") kv ["
+          << item.kv_start << ", " << item.kv_end << ")";
+      if (item.partial_row >= 0) out << " -> partial row " << item.partial_row;
+      out << "\n";
+    }
+  }
+  if (work.size() > shown) out << "    ... " << work.size() - shown << " more items\n";
+  return out.str();
+}
+
+}  // namespace tessera

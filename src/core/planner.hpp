@@ -1,0 +1,47 @@
+// The planner: request lengths in, a balanced work list out. A pure, deterministic host function
+// (no device access), unit-tested on the CPU.
+//
+// Work is cut into (request, kv head, q tile) items; a q tile holds up to
+// config.q_tile_rows / group_size query tokens, each with all group_size query heads of its kv
+// head (GQA packing: one read of a K/V tile serves the whole group). Items are costed by the
+// number of visible (query row, key) pairs plus a per-key memory term and a fixed overhead, long
+// key ranges are split (split-KV) so that no item costs more than a fair share of the total, and
+// items go longest-first onto the least-loaded worker (LPT scheduling).
+#pragma once
+
+#include <vector>
+
+#include "core/problem.hpp"
+#include "tessera/attention.hpp"
+
+namespace tessera::detail {
+
+struct PlanShape {
+  AttentionOp op = AttentionOp::kRaggedPrefill;
+  Device device{};
+  std::vector<int32_t> q_lens;
+  std::vector<int32_t> kv_lens;
+  int32_t num_qo_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+  AttentionOptions options{};
+};
+
+// Cost-model weights, in units of one (query row, key) pair.
+inline constexpr double kCostPerKeyRead = 16.0;   // loading one K/V row (memory term)
+inline constexpr double kCostPerItem = 2048.0;    // launch/prologue/epilogue of one work item
+// Split points of a key range are multiples of this many keys (kernel tile friendly).
+inline constexpr int32_t kSplitAlignment = 64;
+
+MaskSpec mask_of(const AttentionOptions& options);
+
+// Builds the plan; the caller has validated the shape. `config.q_tile_rows` must be >= the GQA
+// group size (checked; throws tessera::Error otherwise).
+Plan make_plan(const PlanShape& shape, const PlanConfig& config);
+
+// Cost of one work item under the model above.
+double work_item_cost(const WorkItem& item, const MaskSpec& mask, int32_t q_len_of_request,
+                      int32_t kv_len_of_request, int32_t group_size);
+
+}  // namespace tessera::detail

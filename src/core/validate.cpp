@@ -1,0 +1,103 @@
+#include "core/validate.hpp"
+
+#include <sstream>
+
+namespace tessera::detail {
+
+std::string shape_string(const TensorView& view) {
+  std::ostringstream out;
+  out << "[";
+  for (int i = 0; i < view.ndim; ++i) out << (i ? ", " : "") << view.shape[i];
+  out << "]";
+  return out.str();
+}
+
+void ArgChecker::fail(const std::string& arg, const std::string& message) const {
+  throw Error(Error::Kind::kInvalidArgument, "tessera::" + op_ + ": '" + arg + "': " + message);
+}
+
+void ArgChecker::unsupported(const std::string& arg, const std::string& message) const {
+  throw Error(Error::Kind::kUnsupported, "tessera::" + op_ + ": '" + arg + "': " + message);
+}
+
+void ArgChecker::tensor(const TensorView& view, const std::string& arg, int ndim,
+                        const std::string& layout) const {
+  if (view.ndim != ndim) {
+    fail(arg, "expected a " + std::to_string(ndim) + "-D tensor " + layout + ", got " +
+                  (view.ndim == 0 ? std::string("none") : std::to_string(view.ndim) + "-D " +
+                                                              shape_string(view)));
+  }
+  for (int i = 0; i < ndim; ++i) {
+    if (view.shape[i] < 0) fail(arg, "negative size in shape " + shape_string(view));
+    if (view.stride[i] < 0) fail(arg, "negative strides are not supported");
+  }
+  if (view.numel() > 0 && view.data == nullptr) fail(arg, "data pointer is null");
+  if (view.shape[ndim - 1] > 1 && view.stride[ndim - 1] != 1) {
+    fail(arg, "the last dimension must be contiguous (stride 1), got stride " +
+                  std::to_string(view.stride[ndim - 1]));
+  }
+}
+
+void ArgChecker::dtype_in(const TensorView& view, const std::string& arg,
+                          std::initializer_list<DType> allowed) const {
+  std::string names;
+  for (DType d : allowed) {
+    if (d == view.dtype) return;
+    names += (names.empty() ? "" : " or ") + std::string(dtype_name(d));
+  }
+  fail(arg, "expected dtype " + names + ", got " + dtype_name(view.dtype));
+}
+
+void ArgChecker::device_is(const TensorView& view, const std::string& arg, Device device) const {
+  if (!(view.device == device)) {
+    fail(arg, "expected a tensor on " + device_name(device) + ", got one on " +
+                  device_name(view.device));
+  }
+}
+
+void ArgChecker::dim_is(const TensorView& view, const std::string& arg, int dim, int64_t expected,
+                        const std::string& what) const {
+  if (view.shape[dim] != expected) {
+    fail(arg, "expected size " + std::to_string(expected) + " (" + what + ") in dim " +
+                  std::to_string(dim) + ", got shape " + shape_string(view));
+  }
+}
+
+void ArgChecker::index_array(const TensorView& view, const std::string& arg, int64_t length,
+                             Device device) const {
+  tensor(view, arg, 1, "of int32");
+  dtype_is(view, arg, DType::kInt32);
+  device_is(view, arg, device);
+  if (length >= 0 && view.shape[0] != length) {
+    fail(arg, "expected " + std::to_string(length) + " elements, got " +
+                  std::to_string(view.shape[0]));
+  }
+}
+
+int64_t ArgChecker::indptr(std::span<const int32_t> values, const std::string& arg) const {
+  if (values.empty()) fail(arg, "expected at least one element (batch_size + 1), got none");
+  if (values[0] != 0) fail(arg, "expected " + arg + "[0] == 0, got " + std::to_string(values[0]));
+  for (size_t i = 1; i < values.size(); ++i) {
+    if (values[i] < values[i - 1]) {
+      fail(arg, "must be non-decreasing, but " + arg + "[" + std::to_string(i) + "] = " +
+                    std::to_string(values[i]) + " < " + arg + "[" + std::to_string(i - 1) +
+                    "] = " + std::to_string(values[i - 1]));
+    }
+  }
+  return values.back();
+}
+
+void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim) {
+  check.require(num_qo_heads >= 1, "num_qo_heads",
+                "expected >= 1, got " + std::to_string(num_qo_heads));
+  check.require(num_kv_heads >= 1, "num_kv_heads",
+                "expected >= 1, got " + std::to_string(num_kv_heads));
+  check.require(num_qo_heads % num_kv_heads == 0, "num_qo_heads",
+                "expected a multiple of num_kv_heads (GQA ratio must be an integer), got " +
+                    std::to_string(num_qo_heads) + " query heads for " +
+                    std::to_string(num_kv_heads) + " kv heads");
+  check.require(head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0, "head_dim",
+                "expected a multiple of 8 in [8, 256], got " + std::to_string(head_dim));
+}
+
+}  // namespace tessera::detail
