@@ -28,8 +28,10 @@ enum class DeviceType : int32_t { kCPU = 0, kCUDA = 1 };
 
 struct Device {
   DeviceType type = DeviceType::kCPU;
-  int index = 0;
-  friend bool operator==(const Device&, const Device&) = default;
+  int index = 0;  // CUDA device ordinal; ignored for the CPU
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.type == b.type && (a.type == DeviceType::kCPU || a.index == b.index);
+  }
 };
 
 std::string device_name(Device device);

@@ -113,11 +113,13 @@ void check_q_o_lse(const ArgChecker& check, const Plan& plan, const TensorView& 
   check.dim_is(q, "q", 1, plan.num_qo_heads, "num_qo_heads of the plan");
   check.dim_is(q, "q", 2, plan.head_dim, "head_dim of the plan");
   check.tensor(o, "o", 3, q_layout);
+  check.output(o, "o");
   check.dtype_is(o, "o", q.dtype);
   check.device_is(o, "o", plan.device);
   for (int d = 0; d < 3; ++d) check.dim_is(o, "o", d, q.shape[d], "same shape as q");
   if (has_value(lse)) {
     check.tensor(lse, "lse", 2, "[total_q, num_qo_heads] of float32");
+    check.output(lse, "lse");
     check.dtype_is(lse, "lse", DType::kFloat32);
     check.device_is(lse, "lse", plan.device);
     check.dim_is(lse, "lse", 0, plan.total_q, "total query tokens");
@@ -449,16 +451,21 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
   const int num_kv_heads = kv_heads_of(check, kv);
   check.index_array(kv.page_indptr, "page_indptr", -1, q.device);
   const int64_t batch = kv.page_indptr.shape[0] - 1;
-  check.require(batch >= 1, "page_indptr", "expected batch_size + 1 >= 2 elements");
-  check.require(q.shape[0] % batch == 0, "q",
-                "expected batch_size x q_per_request rows, got " + std::to_string(q.shape[0]) +
-                    " rows for a batch of " + std::to_string(batch));
+  check.require(batch >= 0, "page_indptr", "expected batch_size + 1 >= 1 elements");
+  const int64_t q_per_request = batch > 0 ? q.shape[0] / batch : 1;
+  check.require(batch > 0 ? q.shape[0] % batch == 0 && q_per_request >= 1 &&
+                                q_per_request <= 64
+                          : q.shape[0] == 0,
+                "q",
+                "expected batch_size x q_per_request rows with 1 <= q_per_request <= 64, got " +
+                    std::to_string(q.shape[0]) + " rows for a batch of " +
+                    std::to_string(batch));
   check.index_array(kv.last_page_len, "last_page_len", batch, q.device);
   const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
   const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
   const Plan plan = plan_decode(pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
                                 num_kv_heads, static_cast<int>(q.shape[2]), options, q.device,
-                                static_cast<int>(q.shape[0] / batch));
+                                static_cast<int>(q_per_request));
   detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
   run_decode(plan, q, kv, o, lse, scratch.workspace(), stream);
 }

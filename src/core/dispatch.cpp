@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "core/backends.hpp"
@@ -69,7 +70,7 @@ ScratchBuffer::ScratchBuffer(Device device, size_t bytes) : device_(device), byt
   if (bytes == 0) return;
   if (device.type == DeviceType::kCPU) {
     data_ = std::malloc(bytes);
-    if (!data_) throw Error(Error::Kind::kRuntime, "tessera: out of host memory for workspace");
+    if (!data_) throw std::bad_alloc();  // the C ABI maps it to TESSERA_ERROR_OUT_OF_MEMORY
     return;
   }
 #if defined(TESSERA_HAVE_CUDA)

@@ -32,7 +32,9 @@ void check_rope_options(const ArgChecker& check, const RopeOptions& options, int
   if (options.llama31) {
     check.require(options.llama31_factor > 0 && std::isfinite(options.llama31_factor),
                   "rope.llama31_factor", "expected a finite value > 0");
-    check.require(options.llama31_low_freq_factor > 0 &&
+    check.require(std::isfinite(options.llama31_low_freq_factor) &&
+                      std::isfinite(options.llama31_high_freq_factor) &&
+                      options.llama31_low_freq_factor > 0 &&
                       options.llama31_high_freq_factor > options.llama31_low_freq_factor,
                   "rope.llama31_high_freq_factor",
                   "expected high_freq_factor > low_freq_factor > 0");
@@ -48,8 +50,10 @@ void check_usable(const ArgChecker& check, Device device) {
 
 void check_merge_operand(const ArgChecker& check, const TensorView& o, const char* o_name,
                          const TensorView& lse, const char* lse_name, int64_t rows,
-                         int64_t heads, int64_t head_dim, Device device) {
+                         int64_t heads, int64_t head_dim, Device device,
+                         bool is_output = false) {
   check.tensor(o, o_name, 3, "[N, num_heads, head_dim]");
+  if (is_output) check.output(o, o_name);
   check.dtype_in(o, o_name, kFloatDtypes);
   check.device_is(o, o_name, device);
   check.dim_is(o, o_name, 0, rows, "N");
@@ -62,6 +66,7 @@ void check_merge_operand(const ArgChecker& check, const TensorView& o, const cha
   check.dim_is(lse, lse_name, 0, rows, "N");
   check.dim_is(lse, lse_name, 1, heads, "num_heads");
   check.require(lse.is_contiguous(), lse_name, "expected a contiguous tensor");
+  if (is_output) check.output(lse, lse_name);
 }
 
 }  // namespace
@@ -115,6 +120,7 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
                  nhd ? "[num_pages, page_size, num_kv_heads, head_dim] (NHD)"
                      : "[num_pages, num_kv_heads, page_size, head_dim] (HND)");
     check.device_is(view, name, device);
+    check.output(view, name);
     check.dtype_in(view, name,
                    {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3,
                     DType::kFloat8E5M2});
@@ -255,7 +261,7 @@ void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorVie
   check_merge_operand(check, o_a, "o_a", lse_a, "lse_a", rows, heads, dim, device);
   check_merge_operand(check, o_b, "o_b", lse_b, "lse_b", rows, heads, dim, device);
   check_merge_operand(check, o_out, "o_out", lse_out, has_value(lse_out) ? "lse_out" : nullptr,
-                      rows, heads, dim, device);
+                      rows, heads, dim, device, /*is_output=*/true);
   float* lse_out_ptr = has_value(lse_out) ? lse_out.ptr<float>() : nullptr;
   if (on_cpu(o_a)) {
     detail::cpu_merge_state(o_a, lse_a.ptr<const float>(), o_b, lse_b.ptr<const float>(), o_out,
@@ -280,7 +286,7 @@ void merge_states(const TensorView& states, const TensorView& lse, const TensorV
   const int64_t rows = indptr.shape[0] - 1;
   check.require(rows >= 0, "indptr", "expected N + 1 >= 1 elements");
   check_merge_operand(check, o_out, "o_out", lse_out, has_value(lse_out) ? "lse_out" : nullptr,
-                      rows, heads, dim, device);
+                      rows, heads, dim, device, /*is_output=*/true);
   float* lse_out_ptr = has_value(lse_out) ? lse_out.ptr<float>() : nullptr;
   if (on_cpu(states)) {
     const int64_t last =

@@ -49,7 +49,7 @@ bool TensorView::is_contiguous() const {
 TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
                      Device device) {
   if (shape.size() > TensorView::kMaxDims) {
-    throw Error(Error::Kind::kInvalidArgument, "make_view: at most 4 dimensions are supported");
+    throw Error(Error::Kind::kInvalidArgument, "tessera::make_view: 'shape': expected at most 4 dimensions");
   }
   TensorView view;
   view.data = data;
@@ -69,7 +69,7 @@ TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> sha
 TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> shape,
                      std::initializer_list<int64_t> stride, Device device) {
   if (shape.size() != stride.size()) {
-    throw Error(Error::Kind::kInvalidArgument, "make_view: shape and stride ranks differ");
+    throw Error(Error::Kind::kInvalidArgument, "tessera::make_view: 'stride': expected as many strides as shape dimensions");
   }
   TensorView view = make_view(data, dtype, shape, device);
   int i = 0;

@@ -38,6 +38,15 @@ void ArgChecker::tensor(const TensorView& view, const std::string& arg, int ndim
   }
 }
 
+void ArgChecker::output(const TensorView& view, const std::string& arg) const {
+  for (int i = 0; i < view.ndim; ++i) {
+    if (view.shape[i] > 1 && view.stride[i] == 0) {
+      fail(arg, "is an output, so its elements must not alias: stride 0 in dim " +
+                    std::to_string(i) + " of size " + std::to_string(view.shape[i]));
+    }
+  }
+}
+
 void ArgChecker::dtype_in(const TensorView& view, const std::string& arg,
                           std::initializer_list<DType> allowed) const {
   std::string names;

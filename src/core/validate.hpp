@@ -27,6 +27,8 @@ class ArgChecker {
   // unit stride on the last dim (when ndim > 0 and that dim has more than one element).
   void tensor(const TensorView& view, const std::string& arg, int ndim,
               const std::string& layout) const;
+  // An output: no two of its elements may alias (stride > 0 on every dim of size > 1).
+  void output(const TensorView& view, const std::string& arg) const;
   void dtype_in(const TensorView& view, const std::string& arg,
                 std::initializer_list<DType> allowed) const;
   void dtype_is(const TensorView& view, const std::string& arg, DType dtype) const {

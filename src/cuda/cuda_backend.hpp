@@ -42,6 +42,22 @@ void cuda_copy_to_device(void* dst, const void* src, size_t bytes, void* stream)
 void* cuda_alloc(size_t bytes);
 void cuda_free(void* ptr);
 void cuda_synchronize(void* stream);
+void cuda_memset(void* ptr, int byte, size_t bytes, void* stream);  // asynchronous
+
+// Benchmark support (src/cuda/bench_support.cu).
+// Fills `count` elements of `dtype` with uniform values in [-scale, scale) from a counter-based
+// hash of (seed, index): reproducible, never all zeros.
+void cuda_fill_random(void* ptr, int64_t count, DType dtype, uint64_t seed, float scale,
+                      void* stream);
+// Median time in milliseconds of `iters` launches of `launch` (after `warmup` launches), each
+// timed with CUDA events on `stream`. Before each timed launch `flush_bytes` of a scratch buffer
+// are overwritten so the L2 holds nothing of the inputs (0: no flush).
+double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iters, void* stream,
+                      size_t flush_bytes);
+// The datasheet-style peaks of a device, derived from its SM count, clocks, memory bus and a
+// table of per-SM tensor-core throughput by architecture. `how` says which numbers were used.
+void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps,
+                       std::string* how);
 
 // Ops (device pointers; arguments validated by the core).
 void cuda_apply_rope(const TensorView& q, const TensorView& k, const int32_t* positions,

@@ -43,6 +43,11 @@ void cuda_free(void* ptr) {
   if (ptr) cudaFree(ptr);
 }
 
+void cuda_memset(void* ptr, int byte, size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  check_cuda(cudaMemsetAsync(ptr, byte, bytes, static_cast<cudaStream_t>(stream)), "memset");
+}
+
 void cuda_synchronize(void* stream) {
   check_cuda(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "stream synchronize");
 }

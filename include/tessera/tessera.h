@@ -1,0 +1,252 @@
+/*
+ * Tessera C ABI: the stable surface for FFI (Python, Rust, Go, ...). C99, no C++ needed.
+ *
+ * Tensors are DLPack `DLTensor`s (dlpack 0.6 headers or newer). Every function that can fail
+ * returns a tessera_status, never throws and never aborts; on failure the text of the error
+ * ("tessera::<op>: '<argument>': <what was expected, what came>") is kept per thread and read
+ * with tessera_last_error(). Arguments are validated before any memory is written, so a failed
+ * call leaves its outputs untouched.
+ *
+ * Semantics are those of the C++ API (include/tessera/attention.hpp and ops.hpp): ragged
+ * (varlen) q [total_q, num_qo_heads, head_dim] by int32 qo_indptr [B+1]; ragged K/V
+ * [total_kv, num_kv_heads, head_dim] by kv_indptr [B+1]; a paged KV cache
+ * [num_pages, page_size, num_kv_heads, head_dim] (NHD) or [num_pages, num_kv_heads, page_size,
+ * head_dim] (HND) with a CSR page table; causal masks aligned bottom-right; o in q's dtype,
+ * optional lse [total_q, num_qo_heads] float32 (natural log).
+ *
+ * DLTensor conventions:
+ *  - dtype: kDLFloat 32/16, kDLBfloat 16, kDLInt 32/64, lanes == 1, and for an fp8 KV cache the
+ *    DLPack 1.x codes TESSERA_DL_FLOAT8_E4M3FN / TESSERA_DL_FLOAT8_E5M2 with bits == 8.
+ *  - device: kDLCPU (and kDLCUDAHost, which is host memory) or kDLCUDA with its device_id;
+ *    other device types (kDLCUDAManaged included) are rejected.
+ *  - strides: in elements; NULL means contiguous (row-major). byte_offset is honoured.
+ *  - 1 <= ndim <= 4.
+ *  - `const DLTensor*` makes the descriptor read-only, not the data: outputs are written
+ *    through their `data` pointer.
+ */
+#ifndef TESSERA_TESSERA_H_
+#define TESSERA_TESSERA_H_
+
+#include <dlpack/dlpack.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* Exported even if the library is ever built with -fvisibility=hidden. */
+#if defined(__GNUC__)
+#define TESSERA_API __attribute__((visibility("default")))
+#else
+#define TESSERA_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped only when a signature or struct layout in this header changes incompatibly. */
+#define TESSERA_ABI_VERSION 1
+
+/* DLPack 1.x dtype codes for fp8 (dlpack 0.6 has none); used with bits == 8, lanes == 1.
+ * E4M3 is the OCP "fn" variant (no infinities, max 448); E5M2 is IEEE-like. */
+#define TESSERA_DL_FLOAT8_E4M3FN 10
+#define TESSERA_DL_FLOAT8_E5M2 12
+
+/* KV cache layouts of tessera_paged_kv.layout. */
+#define TESSERA_KV_LAYOUT_NHD 0
+#define TESSERA_KV_LAYOUT_HND 1
+
+typedef enum tessera_status {
+  TESSERA_OK = 0,
+  TESSERA_ERROR_INVALID_ARGUMENT = 1, /* bad shape, dtype, value, pointer, ... */
+  TESSERA_ERROR_UNSUPPORTED = 2,      /* valid request this build or device cannot serve */
+  TESSERA_ERROR_RUNTIME = 3,          /* a failure while running (CUDA error, ...) */
+  TESSERA_ERROR_OUT_OF_MEMORY = 4
+} tessera_status;
+
+/* Text of the last failure of a status-returning call on this thread; "" after a success.
+ * Valid until the next tessera call on this thread. Never NULL. */
+TESSERA_API const char* tessera_last_error(void);
+/* "major.minor.patch" of the library. */
+TESSERA_API const char* tessera_version(void);
+/* TESSERA_ABI_VERSION of the library (compare with the header's to detect a mismatch). */
+TESSERA_API int tessera_abi_version(void);
+/* Visible CUDA devices; 0 in a CPU-only build or without a driver. */
+TESSERA_API int tessera_cuda_device_count(void);
+
+/* ---- options ---- */
+
+typedef struct tessera_attention_options {
+  int causal;            /* non-zero: causal mask, aligned bottom-right */
+  int32_t window_left;   /* sliding window, -1 = unbounded */
+  int32_t window_right;  /* -1 = unbounded */
+  float logits_soft_cap; /* cap * tanh(s / cap); 0 = off */
+  float sm_scale;        /* 0 = 1 / sqrt(head_dim) */
+  float k_scale;         /* fp8 KV dequantisation scales (per tensor); ignored otherwise */
+  float v_scale;
+} tessera_attention_options;
+
+/* Fills the defaults: not causal, no window, no soft-cap, sm_scale 1/sqrt(D), scales 1. */
+TESSERA_API void tessera_attention_options_default(tessera_attention_options* options);
+
+typedef struct tessera_rope_options {
+  int32_t rotary_dim; /* 0 = head_dim; otherwise even and <= head_dim */
+  int interleave;     /* 0: NeoX pairs (x[i], x[i + d/2]); non-zero: GPT-J pairs (x[2i], x[2i+1]) */
+  float rope_theta;
+  float rope_scale; /* linear position interpolation: positions / rope_scale */
+  int llama31;      /* non-zero: Llama 3.1 frequency scaling with the four fields below */
+  float llama31_factor;
+  float llama31_low_freq_factor;
+  float llama31_high_freq_factor;
+  int32_t llama31_original_max_position;
+} tessera_rope_options;
+
+/* Fills the defaults: rotary_dim = head_dim, NeoX, theta 1e4, scale 1, Llama 3.1 off
+ * (factor 8, low 1, high 4, original max position 8192). */
+TESSERA_API void tessera_rope_options_default(tessera_rope_options* options);
+
+/* A paged KV cache with a CSR page table (all index arrays int32, on the cache's device):
+ * page_indptr [B+1], page_indices [>= page_indptr[B]], last_page_len [B] in [1, page_size]. */
+typedef struct tessera_paged_kv {
+  const DLTensor* k_cache;
+  const DLTensor* v_cache;
+  const DLTensor* page_indptr;
+  const DLTensor* page_indices;
+  const DLTensor* last_page_len;
+  int layout; /* TESSERA_KV_LAYOUT_NHD or TESSERA_KV_LAYOUT_HND */
+} tessera_paged_kv;
+
+/* ---- plan / run ----
+ * A plan is built on the host from host copies of the lengths (a pure, deterministic function)
+ * and is immutable afterwards, so one plan may be run from several threads at once. Run calls
+ * never allocate and never synchronise the host on CUDA; they need a caller-owned workspace on
+ * the plan's device of at least tessera_plan_workspace_bytes(plan) bytes.
+ * `options` may be NULL (defaults). device_type is kDLCPU or kDLCUDA (DLDeviceType values). */
+
+typedef struct tessera_plan tessera_plan;
+
+/* qo_indptr_host and kv_indptr_host: batch_size + 1 host int32 values each. */
+TESSERA_API tessera_status tessera_plan_ragged_prefill(
+    const int32_t* qo_indptr_host, const int32_t* kv_indptr_host, int64_t batch_size,
+    int num_qo_heads, int num_kv_heads, int head_dim, const tessera_attention_options* options,
+    int device_type, int device_id, tessera_plan** out);
+
+/* qo_indptr_host, page_indptr_host: batch_size + 1 values; last_page_len_host: batch_size. */
+TESSERA_API tessera_status tessera_plan_paged_prefill(
+    const int32_t* qo_indptr_host, const int32_t* page_indptr_host,
+    const int32_t* last_page_len_host, int64_t batch_size, int page_size, int num_qo_heads,
+    int num_kv_heads, int head_dim, const tessera_attention_options* options, int device_type,
+    int device_id, tessera_plan** out);
+
+/* Decode with q_per_request query tokens per request (1, or a few for speculative decoding):
+ * q is [batch_size * q_per_request, num_qo_heads, head_dim]. */
+TESSERA_API tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
+                                               const int32_t* last_page_len_host,
+                                               int64_t batch_size, int page_size, int num_qo_heads,
+                                               int num_kv_heads, int head_dim, int q_per_request,
+                                               const tessera_attention_options* options,
+                                               int device_type, int device_id, tessera_plan** out);
+
+/* Workspace a run of this plan needs (0 for a NULL plan). */
+TESSERA_API size_t tessera_plan_workspace_bytes(const tessera_plan* plan);
+
+/* Human-readable description of the plan's partition, NUL-terminated. *needed (optional)
+ * receives the size including the NUL. buffer may be NULL with capacity 0 to query the size.
+ * If capacity is too small the text is truncated (still NUL-terminated when capacity > 0) and
+ * TESSERA_ERROR_INVALID_ARGUMENT is returned. */
+TESSERA_API tessera_status tessera_plan_explain(const tessera_plan* plan, char* buffer,
+                                                size_t capacity, size_t* needed);
+
+/* Frees a plan; NULL is a no-op. */
+TESSERA_API void tessera_plan_destroy(tessera_plan* plan);
+
+/* lse may be NULL (not written). stream: a cudaStream_t for CUDA tensors, ignored on the CPU. */
+TESSERA_API tessera_status tessera_run_ragged_prefill(const tessera_plan* plan, const DLTensor* q,
+                                                      const DLTensor* k, const DLTensor* v,
+                                                      const DLTensor* qo_indptr,
+                                                      const DLTensor* kv_indptr, const DLTensor* o,
+                                                      const DLTensor* lse, void* workspace,
+                                                      size_t workspace_bytes, void* stream);
+
+TESSERA_API tessera_status tessera_run_paged_prefill(const tessera_plan* plan, const DLTensor* q,
+                                                     const tessera_paged_kv* kv,
+                                                     const DLTensor* qo_indptr, const DLTensor* o,
+                                                     const DLTensor* lse, void* workspace,
+                                                     size_t workspace_bytes, void* stream);
+
+TESSERA_API tessera_status tessera_run_decode(const tessera_plan* plan, const DLTensor* q,
+                                              const tessera_paged_kv* kv, const DLTensor* o,
+                                              const DLTensor* lse, void* workspace,
+                                              size_t workspace_bytes, void* stream);
+
+/* ---- one-shot calls ----
+ * plan + run with an internal workspace. The index arrays are read on the host, so for CUDA
+ * tensors these synchronise the stream: use plan/run on a serving hot path. */
+
+TESSERA_API tessera_status tessera_ragged_prefill(const DLTensor* q, const DLTensor* k,
+                                                  const DLTensor* v, const DLTensor* qo_indptr,
+                                                  const DLTensor* kv_indptr, const DLTensor* o,
+                                                  const DLTensor* lse,
+                                                  const tessera_attention_options* options,
+                                                  void* stream);
+
+TESSERA_API tessera_status tessera_paged_prefill(const DLTensor* q, const tessera_paged_kv* kv,
+                                                 const DLTensor* qo_indptr, const DLTensor* o,
+                                                 const DLTensor* lse,
+                                                 const tessera_attention_options* options,
+                                                 void* stream);
+
+/* q: [batch_size * q_per_request, num_qo_heads, head_dim]; batch_size from kv->page_indptr. */
+TESSERA_API tessera_status tessera_decode(const DLTensor* q, const tessera_paged_kv* kv,
+                                          const DLTensor* o, const DLTensor* lse,
+                                          const tessera_attention_options* options, void* stream);
+
+/* ---- ops ---- */
+
+/* Rotates q [nnz, Hq, D] and/or k [nnz, Hk, D] in place (either may be NULL, not both) by
+ * positions [nnz] int32. options may be NULL (defaults). */
+TESSERA_API tessera_status tessera_apply_rope_inplace(const DLTensor* q, const DLTensor* k,
+                                                      const DLTensor* positions,
+                                                      const tessera_rope_options* options,
+                                                      void* stream);
+
+/* Scatters k_new/v_new [nnz, Hkv, D], ragged by append_indptr [B+1], into the paged cache,
+ * whose page table already describes the cache after the append. rope non-NULL: k rows are
+ * rotated by their positions as they are written. */
+TESSERA_API tessera_status tessera_append_paged_kv_cache(
+    const DLTensor* k_new, const DLTensor* v_new, const DLTensor* append_indptr,
+    const tessera_paged_kv* kv, const tessera_rope_options* rope, void* stream);
+
+/* vLLM / FlashAttention block_table [B, max_pages] int32 + seq_lens [B] int32 -> CSR page table
+ * page_indptr [B+1], page_indices [>= total pages], last_page_len [B] (outputs, int32). */
+TESSERA_API tessera_status tessera_block_table_to_csr(const DLTensor* block_table,
+                                                      const DLTensor* seq_lens, int page_size,
+                                                      const DLTensor* page_indptr,
+                                                      const DLTensor* page_indices,
+                                                      const DLTensor* last_page_len, void* stream);
+
+/* Exact merge of two partial attentions over disjoint key sets: o [N, H, D], lse [N, H] float32.
+ * lse_out may be NULL. */
+TESSERA_API tessera_status tessera_merge_state(const DLTensor* o_a, const DLTensor* lse_a,
+                                               const DLTensor* o_b, const DLTensor* lse_b,
+                                               const DLTensor* o_out, const DLTensor* lse_out,
+                                               void* stream);
+
+/* Variable-length merge: states [S, H, D], lse [S, H], indptr [N+1] int32 -> o_out [N, H, D],
+ * lse_out [N, H] (may be NULL). A row with no state gives o = 0, lse = -inf. */
+TESSERA_API tessera_status tessera_merge_states(const DLTensor* states, const DLTensor* lse,
+                                                const DLTensor* indptr, const DLTensor* o_out,
+                                                const DLTensor* lse_out, void* stream);
+
+/* ---- CPU backend controls (process-wide) ---- */
+
+/* Threads of the CPU backend: >= 1 pins the count, 0 restores the default
+ * (TESSERA_NUM_THREADS or the hardware count). */
+TESSERA_API tessera_status tessera_set_num_threads(int threads);
+/* Non-zero: serve CPU attention with the double-accumulating reference (tests); 0: the fast
+ * tiled path (the default). */
+TESSERA_API tessera_status tessera_set_cpu_reference(int enable);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TESSERA_TESSERA_H_ */

@@ -1,0 +1,598 @@
+// The C ABI (include/tessera/tessera.h) over the C++ API. This layer converts DLPack tensors to
+// tessera::TensorView, rejects what a TensorView cannot express (NULL descriptors, vector
+// dtypes, foreign devices, more than 4 dims), and turns every exception into a status code plus
+// the thread's last-error text. All conversions happen before the C++ call, and the C++ API
+// validates everything before touching memory, so a failed call writes no output.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <new>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "tessera/tessera.h"
+#include "tessera/tessera.hpp"
+
+// The opaque plan handle: immutable after creation, so concurrent runs of one plan are safe.
+struct tessera_plan {
+  tessera::Plan plan;
+};
+
+namespace {
+
+using tessera::Device;
+using tessera::DeviceType;
+using tessera::DType;
+using tessera::Error;
+using tessera::TensorView;
+
+thread_local std::string g_last_error;
+
+// Records `message` without ever throwing: if the copy cannot allocate, a short literal that
+// fits the string's existing capacity (at least the small-string buffer) is stored instead.
+void set_last_error(const char* message) noexcept {
+  try {
+    g_last_error.assign(message);
+  } catch (...) {
+    g_last_error.assign("out of memory");
+  }
+}
+
+tessera_status status_of(Error::Kind kind) {
+  switch (kind) {
+    case Error::Kind::kInvalidArgument: return TESSERA_ERROR_INVALID_ARGUMENT;
+    case Error::Kind::kUnsupported: return TESSERA_ERROR_UNSUPPORTED;
+    case Error::Kind::kRuntime: return TESSERA_ERROR_RUNTIME;
+  }
+  return TESSERA_ERROR_RUNTIME;
+}
+
+// Runs `body` (which reports failure by throwing) and maps the outcome to a status. `function`
+// prefixes the text of exceptions that do not come from tessera (their message lacks the op).
+template <typename Body>
+tessera_status guarded(const char* function, Body&& body) noexcept {
+  try {
+    std::forward<Body>(body)();
+    g_last_error.clear();
+    return TESSERA_OK;
+  } catch (const Error& error) {
+    set_last_error(error.what());
+    return status_of(error.kind());
+  } catch (const std::bad_alloc&) {
+    set_last_error((std::string(function) + ": out of memory").c_str());
+    return TESSERA_ERROR_OUT_OF_MEMORY;
+  } catch (const std::exception& error) {
+    try {
+      set_last_error((std::string(function) + ": " + error.what()).c_str());
+    } catch (...) {
+      set_last_error(error.what());
+    }
+    return TESSERA_ERROR_RUNTIME;
+  } catch (...) {
+    set_last_error("tessera: unknown C++ exception");
+    return TESSERA_ERROR_RUNTIME;
+  }
+}
+
+// Builds "tessera_<function>: '<arg>': <message>" errors for the checks done in this layer, in
+// the same shape as the C++ ArgChecker's messages.
+class Converter {
+ public:
+  explicit Converter(const char* function) : function_(function) {}
+
+  [[noreturn]] void fail(const char* arg, const std::string& message) const {
+    throw Error(Error::Kind::kInvalidArgument,
+                std::string(function_) + ": '" + arg + "': " + message);
+  }
+
+  // A required tensor.
+  TensorView tensor(const DLTensor* tensor, const char* arg) const {
+    if (tensor == nullptr) fail(arg, "expected a DLTensor, got NULL");
+    return convert(*tensor, arg);
+  }
+  // An optional tensor: NULL becomes the C++ API's empty view.
+  TensorView optional(const DLTensor* tensor, const char* arg) const {
+    return tensor == nullptr ? TensorView{} : convert(*tensor, arg);
+  }
+
+  tessera::PagedKVCache paged_kv(const tessera_paged_kv* kv) const {
+    if (kv == nullptr) fail("kv", "expected a tessera_paged_kv, got NULL");
+    tessera::PagedKVCache cache;
+    cache.k_cache = tensor(kv->k_cache, "k_cache");
+    cache.v_cache = tensor(kv->v_cache, "v_cache");
+    cache.page_indptr = tensor(kv->page_indptr, "page_indptr");
+    cache.page_indices = tensor(kv->page_indices, "page_indices");
+    cache.last_page_len = tensor(kv->last_page_len, "last_page_len");
+    // Out-of-range layouts pass through unchanged: the C++ API rejects them by name.
+    cache.layout = static_cast<tessera::KVLayout>(kv->layout);
+    return cache;
+  }
+
+  const tessera::Plan& plan(const tessera_plan* plan) const {
+    if (plan == nullptr) fail("plan", "expected a tessera_plan, got NULL");
+    return plan->plan;
+  }
+
+  Device device(int device_type, int device_id) const {
+    if (device_type == kDLCPU) return Device{DeviceType::kCPU, 0};
+    if (device_type == kDLCUDA) return Device{DeviceType::kCUDA, device_id};
+    fail("device_type", "expected kDLCPU (1) or kDLCUDA (2), got " + std::to_string(device_type));
+  }
+
+  // `count` host int32 values behind `values` (count is batch-derived and already checked).
+  std::span<const int32_t> host_array(const int32_t* values, int64_t count, const char* arg) const {
+    if (count == 0) return {};
+    if (values == nullptr) {
+      fail(arg, "expected " + std::to_string(count) + " host int32 values, got NULL");
+    }
+    return {values, static_cast<size_t>(count)};
+  }
+
+  // Plans index int32 requests; indptr arrays hold batch_size + 1 values.
+  void batch_size(int64_t batch_size) const {
+    if (batch_size < 0 || batch_size >= INT32_MAX) {
+      fail("batch_size", "expected a value in [0, 2^31 - 2], got " + std::to_string(batch_size));
+    }
+  }
+
+ private:
+  TensorView convert(const DLTensor& tensor, const char* arg) const {
+    TensorView view;
+    if (tensor.ndim < 1 || tensor.ndim > TensorView::kMaxDims) {
+      fail(arg, "expected 1 to " + std::to_string(TensorView::kMaxDims) + " dimensions, got " +
+                    std::to_string(tensor.ndim));
+    }
+    if (tensor.shape == nullptr) fail(arg, "shape is NULL");
+    view.ndim = tensor.ndim;
+    view.dtype = dtype(tensor.dtype, arg);
+    view.device = device_of(tensor.device, arg);
+    for (int i = 0; i < view.ndim; ++i) view.shape[i] = tensor.shape[i];
+    if (tensor.strides != nullptr) {
+      for (int i = 0; i < view.ndim; ++i) view.stride[i] = tensor.strides[i];
+    } else {
+      // DLPack: NULL strides mean a compact row-major tensor. Negative sizes are left for the
+      // C++ checks to reject; overflow is caught here because it would be undefined.
+      int64_t stride = 1;
+      for (int i = view.ndim - 1; i >= 0; --i) {
+        view.stride[i] = stride;
+        if (view.shape[i] > 0 && __builtin_mul_overflow(stride, view.shape[i], &stride)) {
+          fail(arg, "shape " + shape_text(tensor) + " has more than 2^63 elements");
+        }
+      }
+    }
+    view.data = tensor.data == nullptr
+                    ? nullptr
+                    : static_cast<void*>(static_cast<char*>(tensor.data) + tensor.byte_offset);
+    return view;
+  }
+
+  DType dtype(DLDataType type, const char* arg) const {
+    if (type.lanes != 1) {
+      fail(arg, "expected lanes == 1 (vector dtypes are not supported), got lanes " +
+                    std::to_string(type.lanes));
+    }
+    const int code = type.code, bits = type.bits;
+    if (code == kDLFloat && bits == 32) return DType::kFloat32;
+    if (code == kDLFloat && bits == 16) return DType::kFloat16;
+    if (code == kDLBfloat && bits == 16) return DType::kBFloat16;
+    if (code == TESSERA_DL_FLOAT8_E4M3FN && bits == 8) return DType::kFloat8E4M3;
+    if (code == TESSERA_DL_FLOAT8_E5M2 && bits == 8) return DType::kFloat8E5M2;
+    if (code == kDLInt && bits == 32) return DType::kInt32;
+    if (code == kDLInt && bits == 64) return DType::kInt64;
+    fail(arg, "unsupported DLPack dtype (code " + std::to_string(code) + ", bits " +
+                  std::to_string(bits) +
+                  "); expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 "
+                  "or int64");
+  }
+
+  Device device_of(DLDevice device, const char* arg) const {
+    switch (device.device_type) {
+      case kDLCPU:
+      case kDLCUDAHost:  // pinned host memory: the CPU reads it like any host memory
+        return Device{DeviceType::kCPU, 0};
+      case kDLCUDA: return Device{DeviceType::kCUDA, device.device_id};
+      case kDLCUDAManaged:
+        fail(arg,
+             "CUDA managed (unified) memory is not supported; pass a kDLCUDA or kDLCPU "
+             "tensor");
+      default:
+        fail(arg, "unsupported DLPack device type " + std::to_string(device.device_type) +
+                      "; expected kDLCPU (1) or kDLCUDA (2)");
+    }
+  }
+
+  static std::string shape_text(const DLTensor& tensor) {
+    std::string text = "[";
+    for (int i = 0; i < tensor.ndim; ++i) {
+      text += (i ? ", " : "") + std::to_string(tensor.shape[i]);
+    }
+    return text + "]";
+  }
+
+  const char* function_;
+};
+
+tessera::AttentionOptions attention_options(const tessera_attention_options* options) {
+  tessera::AttentionOptions result;
+  if (options == nullptr) return result;
+  result.causal = options->causal != 0;
+  result.window_left = options->window_left;
+  result.window_right = options->window_right;
+  result.logits_soft_cap = options->logits_soft_cap;
+  result.sm_scale = options->sm_scale;
+  result.k_scale = options->k_scale;
+  result.v_scale = options->v_scale;
+  return result;
+}
+
+tessera::RopeOptions rope_options(const tessera_rope_options* options) {
+  tessera::RopeOptions result;
+  if (options == nullptr) return result;
+  result.rotary_dim = options->rotary_dim;
+  result.interleave = options->interleave != 0;
+  result.rope_theta = options->rope_theta;
+  result.rope_scale = options->rope_scale;
+  result.llama31 = options->llama31 != 0;
+  result.llama31_factor = options->llama31_factor;
+  result.llama31_low_freq_factor = options->llama31_low_freq_factor;
+  result.llama31_high_freq_factor = options->llama31_high_freq_factor;
+  result.llama31_original_max_position = options->llama31_original_max_position;
+  return result;
+}
+
+// Stores a freshly built plan in *out, which is NULL whenever the call fails.
+template <typename Build>
+tessera_status make_plan(const char* function, tessera_plan** out, Build&& build) noexcept {
+  if (out != nullptr) *out = nullptr;
+  return guarded(function, [&] {
+    if (out == nullptr) Converter(function).fail("out", "expected a tessera_plan**, got NULL");
+    tessera_plan* plan = new tessera_plan{std::forward<Build>(build)()};
+    *out = plan;
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* tessera_last_error(void) {
+  return g_last_error.c_str();
+}
+
+const char* tessera_version(void) {
+  return tessera::version_string();
+}
+
+int tessera_abi_version(void) {
+  return TESSERA_ABI_VERSION;
+}
+
+int tessera_cuda_device_count(void) {
+  try {
+    return tessera::cuda_device_count();
+  } catch (...) {
+    return 0;  // a driver that cannot be queried has no usable device
+  }
+}
+
+void tessera_attention_options_default(tessera_attention_options* options) {
+  if (options == nullptr) return;
+  const tessera::AttentionOptions defaults;
+  options->causal = defaults.causal ? 1 : 0;
+  options->window_left = defaults.window_left;
+  options->window_right = defaults.window_right;
+  options->logits_soft_cap = defaults.logits_soft_cap;
+  options->sm_scale = defaults.sm_scale;
+  options->k_scale = defaults.k_scale;
+  options->v_scale = defaults.v_scale;
+}
+
+void tessera_rope_options_default(tessera_rope_options* options) {
+  if (options == nullptr) return;
+  const tessera::RopeOptions defaults;
+  options->rotary_dim = defaults.rotary_dim;
+  options->interleave = defaults.interleave ? 1 : 0;
+  options->rope_theta = defaults.rope_theta;
+  options->rope_scale = defaults.rope_scale;
+  options->llama31 = defaults.llama31 ? 1 : 0;
+  options->llama31_factor = defaults.llama31_factor;
+  options->llama31_low_freq_factor = defaults.llama31_low_freq_factor;
+  options->llama31_high_freq_factor = defaults.llama31_high_freq_factor;
+  options->llama31_original_max_position = defaults.llama31_original_max_position;
+}
+
+// ---------------------------------------------------------------- plan
+
+tessera_status tessera_plan_ragged_prefill(const int32_t* qo_indptr_host,
+                                           const int32_t* kv_indptr_host, int64_t batch_size,
+                                           int num_qo_heads, int num_kv_heads, int head_dim,
+                                           const tessera_attention_options* options,
+                                           int device_type, int device_id, tessera_plan** out) {
+  constexpr const char* kFunction = "tessera_plan_ragged_prefill";
+  return make_plan(kFunction, out, [&] {
+    const Converter convert(kFunction);
+    convert.batch_size(batch_size);
+    const auto qo = convert.host_array(qo_indptr_host, batch_size + 1, "qo_indptr_host");
+    const auto kv = convert.host_array(kv_indptr_host, batch_size + 1, "kv_indptr_host");
+    const Device device = convert.device(device_type, device_id);
+    return tessera::plan_ragged_prefill(qo, kv, num_qo_heads, num_kv_heads, head_dim,
+                                        attention_options(options), device);
+  });
+}
+
+tessera_status tessera_plan_paged_prefill(const int32_t* qo_indptr_host,
+                                          const int32_t* page_indptr_host,
+                                          const int32_t* last_page_len_host, int64_t batch_size,
+                                          int page_size, int num_qo_heads, int num_kv_heads,
+                                          int head_dim, const tessera_attention_options* options,
+                                          int device_type, int device_id, tessera_plan** out) {
+  constexpr const char* kFunction = "tessera_plan_paged_prefill";
+  return make_plan(kFunction, out, [&] {
+    const Converter convert(kFunction);
+    convert.batch_size(batch_size);
+    const auto qo = convert.host_array(qo_indptr_host, batch_size + 1, "qo_indptr_host");
+    const auto pages = convert.host_array(page_indptr_host, batch_size + 1, "page_indptr_host");
+    const auto last = convert.host_array(last_page_len_host, batch_size, "last_page_len_host");
+    const Device device = convert.device(device_type, device_id);
+    return tessera::plan_paged_prefill(qo, pages, last, page_size, num_qo_heads, num_kv_heads,
+                                       head_dim, attention_options(options), device);
+  });
+}
+
+tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
+                                   const int32_t* last_page_len_host, int64_t batch_size,
+                                   int page_size, int num_qo_heads, int num_kv_heads, int head_dim,
+                                   int q_per_request, const tessera_attention_options* options,
+                                   int device_type, int device_id, tessera_plan** out) {
+  constexpr const char* kFunction = "tessera_plan_decode";
+  return make_plan(kFunction, out, [&] {
+    const Converter convert(kFunction);
+    convert.batch_size(batch_size);
+    const auto pages = convert.host_array(page_indptr_host, batch_size + 1, "page_indptr_host");
+    const auto last = convert.host_array(last_page_len_host, batch_size, "last_page_len_host");
+    const Device device = convert.device(device_type, device_id);
+    return tessera::plan_decode(pages, last, page_size, num_qo_heads, num_kv_heads, head_dim,
+                                attention_options(options), device, q_per_request);
+  });
+}
+
+size_t tessera_plan_workspace_bytes(const tessera_plan* plan) {
+  return plan == nullptr ? 0 : plan->plan.workspace_bytes;
+}
+
+tessera_status tessera_plan_explain(const tessera_plan* plan, char* buffer, size_t capacity,
+                                    size_t* needed) {
+  constexpr const char* kFunction = "tessera_plan_explain";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const std::string text = convert.plan(plan).explain();
+    const size_t size = text.size() + 1;
+    if (needed != nullptr) *needed = size;
+    if (buffer == nullptr && capacity == 0) return;  // a size query
+    if (buffer == nullptr) convert.fail("buffer", "is NULL but capacity is not 0");
+    if (capacity > 0) {
+      const size_t copied = std::min(capacity - 1, text.size());
+      std::memcpy(buffer, text.data(), copied);
+      buffer[copied] = '\0';
+    }
+    if (capacity < size) {
+      convert.fail("capacity", "the text needs " + std::to_string(size) +
+                                   " bytes (NUL included), got " + std::to_string(capacity) +
+                                   "; the text was truncated");
+    }
+  });
+}
+
+void tessera_plan_destroy(tessera_plan* plan) {
+  delete plan;
+}
+
+// ---------------------------------------------------------------- run
+// Arguments are converted into locals in parameter order, so that with several bad arguments the
+// first one is the one reported (the order of evaluation of call arguments is unspecified).
+
+tessera_status tessera_run_ragged_prefill(const tessera_plan* plan, const DLTensor* q,
+                                          const DLTensor* k, const DLTensor* v,
+                                          const DLTensor* qo_indptr, const DLTensor* kv_indptr,
+                                          const DLTensor* o, const DLTensor* lse, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  constexpr const char* kFunction = "tessera_run_ragged_prefill";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const tessera::Plan& checked_plan = convert.plan(plan);
+    const TensorView q_view = convert.tensor(q, "q");
+    const TensorView k_view = convert.tensor(k, "k");
+    const TensorView v_view = convert.tensor(v, "v");
+    const TensorView qo_indptr_view = convert.tensor(qo_indptr, "qo_indptr");
+    const TensorView kv_indptr_view = convert.tensor(kv_indptr, "kv_indptr");
+    const TensorView o_view = convert.tensor(o, "o");
+    const TensorView lse_view = convert.optional(lse, "lse");
+    tessera::run_ragged_prefill(checked_plan, q_view, k_view, v_view, qo_indptr_view,
+                                kv_indptr_view, o_view, lse_view, {workspace, workspace_bytes},
+                                stream);
+  });
+}
+
+tessera_status tessera_run_paged_prefill(const tessera_plan* plan, const DLTensor* q,
+                                         const tessera_paged_kv* kv, const DLTensor* qo_indptr,
+                                         const DLTensor* o, const DLTensor* lse, void* workspace,
+                                         size_t workspace_bytes, void* stream) {
+  constexpr const char* kFunction = "tessera_run_paged_prefill";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const tessera::Plan& checked_plan = convert.plan(plan);
+    const TensorView q_view = convert.tensor(q, "q");
+    const tessera::PagedKVCache cache = convert.paged_kv(kv);
+    const TensorView qo_indptr_view = convert.tensor(qo_indptr, "qo_indptr");
+    const TensorView o_view = convert.tensor(o, "o");
+    const TensorView lse_view = convert.optional(lse, "lse");
+    tessera::run_paged_prefill(checked_plan, q_view, cache, qo_indptr_view, o_view, lse_view,
+                               {workspace, workspace_bytes}, stream);
+  });
+}
+
+tessera_status tessera_run_decode(const tessera_plan* plan, const DLTensor* q,
+                                  const tessera_paged_kv* kv, const DLTensor* o,
+                                  const DLTensor* lse, void* workspace, size_t workspace_bytes,
+                                  void* stream) {
+  constexpr const char* kFunction = "tessera_run_decode";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const tessera::Plan& checked_plan = convert.plan(plan);
+    const TensorView q_view = convert.tensor(q, "q");
+    const tessera::PagedKVCache cache = convert.paged_kv(kv);
+    const TensorView o_view = convert.tensor(o, "o");
+    const TensorView lse_view = convert.optional(lse, "lse");
+    tessera::run_decode(checked_plan, q_view, cache, o_view, lse_view, {workspace, workspace_bytes},
+                        stream);
+  });
+}
+
+// ---------------------------------------------------------------- one-shot
+
+tessera_status tessera_ragged_prefill(const DLTensor* q, const DLTensor* k, const DLTensor* v,
+                                      const DLTensor* qo_indptr, const DLTensor* kv_indptr,
+                                      const DLTensor* o, const DLTensor* lse,
+                                      const tessera_attention_options* options, void* stream) {
+  constexpr const char* kFunction = "tessera_ragged_prefill";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView q_view = convert.tensor(q, "q");
+    const TensorView k_view = convert.tensor(k, "k");
+    const TensorView v_view = convert.tensor(v, "v");
+    const TensorView qo_indptr_view = convert.tensor(qo_indptr, "qo_indptr");
+    const TensorView kv_indptr_view = convert.tensor(kv_indptr, "kv_indptr");
+    const TensorView o_view = convert.tensor(o, "o");
+    const TensorView lse_view = convert.optional(lse, "lse");
+    tessera::ragged_prefill(q_view, k_view, v_view, qo_indptr_view, kv_indptr_view, o_view,
+                            lse_view, attention_options(options), stream);
+  });
+}
+
+tessera_status tessera_paged_prefill(const DLTensor* q, const tessera_paged_kv* kv,
+                                     const DLTensor* qo_indptr, const DLTensor* o,
+                                     const DLTensor* lse, const tessera_attention_options* options,
+                                     void* stream) {
+  constexpr const char* kFunction = "tessera_paged_prefill";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView q_view = convert.tensor(q, "q");
+    const tessera::PagedKVCache cache = convert.paged_kv(kv);
+    const TensorView qo_indptr_view = convert.tensor(qo_indptr, "qo_indptr");
+    const TensorView o_view = convert.tensor(o, "o");
+    const TensorView lse_view = convert.optional(lse, "lse");
+    tessera::paged_prefill(q_view, cache, qo_indptr_view, o_view, lse_view,
+                           attention_options(options), stream);
+  });
+}
+
+tessera_status tessera_decode(const DLTensor* q, const tessera_paged_kv* kv, const DLTensor* o,
+                              const DLTensor* lse, const tessera_attention_options* options,
+                              void* stream) {
+  constexpr const char* kFunction = "tessera_decode";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView q_view = convert.tensor(q, "q");
+    const tessera::PagedKVCache cache = convert.paged_kv(kv);
+    const TensorView o_view = convert.tensor(o, "o");
+    const TensorView lse_view = convert.optional(lse, "lse");
+    tessera::decode(q_view, cache, o_view, lse_view, attention_options(options), stream);
+  });
+}
+
+// ---------------------------------------------------------------- ops
+
+tessera_status tessera_apply_rope_inplace(const DLTensor* q, const DLTensor* k,
+                                          const DLTensor* positions,
+                                          const tessera_rope_options* options, void* stream) {
+  constexpr const char* kFunction = "tessera_apply_rope_inplace";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView q_view = convert.optional(q, "q");
+    const TensorView k_view = convert.optional(k, "k");
+    const TensorView positions_view = convert.tensor(positions, "positions");
+    tessera::apply_rope_inplace(q_view, k_view, positions_view, rope_options(options), stream);
+  });
+}
+
+tessera_status tessera_append_paged_kv_cache(const DLTensor* k_new, const DLTensor* v_new,
+                                             const DLTensor* append_indptr,
+                                             const tessera_paged_kv* kv,
+                                             const tessera_rope_options* rope, void* stream) {
+  constexpr const char* kFunction = "tessera_append_paged_kv_cache";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView k_new_view = convert.tensor(k_new, "k_new");
+    const TensorView v_new_view = convert.tensor(v_new, "v_new");
+    const TensorView append_indptr_view = convert.tensor(append_indptr, "append_indptr");
+    const tessera::PagedKVCache cache = convert.paged_kv(kv);
+    const tessera::RopeOptions rope_settings = rope_options(rope);
+    tessera::append_paged_kv_cache(k_new_view, v_new_view, append_indptr_view, cache,
+                                   rope != nullptr ? &rope_settings : nullptr, stream);
+  });
+}
+
+tessera_status tessera_block_table_to_csr(const DLTensor* block_table, const DLTensor* seq_lens,
+                                          int page_size, const DLTensor* page_indptr,
+                                          const DLTensor* page_indices,
+                                          const DLTensor* last_page_len, void* stream) {
+  constexpr const char* kFunction = "tessera_block_table_to_csr";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView block_table_view = convert.tensor(block_table, "block_table");
+    const TensorView seq_lens_view = convert.tensor(seq_lens, "seq_lens");
+    const TensorView page_indptr_view = convert.tensor(page_indptr, "page_indptr");
+    const TensorView page_indices_view = convert.tensor(page_indices, "page_indices");
+    const TensorView last_page_len_view = convert.tensor(last_page_len, "last_page_len");
+    tessera::block_table_to_csr(block_table_view, seq_lens_view, page_size, page_indptr_view,
+                                page_indices_view, last_page_len_view, stream);
+  });
+}
+
+tessera_status tessera_merge_state(const DLTensor* o_a, const DLTensor* lse_a, const DLTensor* o_b,
+                                   const DLTensor* lse_b, const DLTensor* o_out,
+                                   const DLTensor* lse_out, void* stream) {
+  constexpr const char* kFunction = "tessera_merge_state";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView o_a_view = convert.tensor(o_a, "o_a");
+    const TensorView lse_a_view = convert.tensor(lse_a, "lse_a");
+    const TensorView o_b_view = convert.tensor(o_b, "o_b");
+    const TensorView lse_b_view = convert.tensor(lse_b, "lse_b");
+    const TensorView o_out_view = convert.tensor(o_out, "o_out");
+    const TensorView lse_out_view = convert.optional(lse_out, "lse_out");
+    tessera::merge_state(o_a_view, lse_a_view, o_b_view, lse_b_view, o_out_view, lse_out_view,
+                         stream);
+  });
+}
+
+tessera_status tessera_merge_states(const DLTensor* states, const DLTensor* lse,
+                                    const DLTensor* indptr, const DLTensor* o_out,
+                                    const DLTensor* lse_out, void* stream) {
+  constexpr const char* kFunction = "tessera_merge_states";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView states_view = convert.tensor(states, "states");
+    const TensorView lse_view = convert.tensor(lse, "lse");
+    const TensorView indptr_view = convert.tensor(indptr, "indptr");
+    const TensorView o_out_view = convert.tensor(o_out, "o_out");
+    const TensorView lse_out_view = convert.optional(lse_out, "lse_out");
+    tessera::merge_states(states_view, lse_view, indptr_view, o_out_view, lse_out_view, stream);
+  });
+}
+
+// ---------------------------------------------------------------- CPU backend controls
+
+tessera_status tessera_set_num_threads(int threads) {
+  return guarded("tessera_set_num_threads", [&] { tessera::set_num_threads(threads); });
+}
+
+tessera_status tessera_set_cpu_reference(int enable) {
+  return guarded("tessera_set_cpu_reference", [&] {
+    tessera::set_cpu_impl(enable != 0 ? tessera::CpuImpl::kReference : tessera::CpuImpl::kFast);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,507 @@
+#include "cli/bench.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include "cli/buffers.hpp"
+#include "core/half.hpp"
+#include "core/planner.hpp"
+#include "cpu/cpu_info.hpp"
+#include "cpu/reference.hpp"
+#include "tessera/backend.hpp"
+#if defined(TESSERA_HAVE_CUDA)
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace tessera::cli {
+namespace {
+
+// Relative L2 error above which a sampled check fails (bf16/fp16 operands).
+constexpr double kMaxRelError = 1e-2;
+// Query tokens and heads sampled per checked request.
+constexpr int kSampledTokens = 6;
+constexpr int kSampledHeads = 3;
+
+std::string format_double(double value, int precision) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.*f", precision, value);
+  return text;
+}
+
+// ---- problem construction ----
+
+struct BenchProblem {
+  BenchCase spec;
+  Device device;
+  DType dtype;
+  std::vector<int32_t> qo_indptr, kv_indptr, page_indptr, page_indices, last_page_len;
+  Buffer q, k, v, o, lse, qo_indptr_buf, kv_indptr_buf, page_indptr_buf, page_indices_buf,
+      last_page_len_buf, workspace;
+  int64_t total_q = 0, total_kv = 0, num_pages = 0;
+  TensorView q_view, k_view, v_view, o_view, lse_view, qo_view, kv_view;
+  PagedKVCache paged;
+  Plan plan;
+
+  bool is_paged() const { return spec.op != AttentionOp::kRaggedPrefill; }
+};
+
+Buffer int_buffer(Device device, const std::vector<int32_t>& values) {
+  Buffer buffer(device, std::max<size_t>(values.size(), 1) * sizeof(int32_t));
+  if (!values.empty()) buffer.copy_from_host(values.data(), values.size() * sizeof(int32_t));
+  return buffer;
+}
+
+TensorView int_view(const Buffer& buffer, size_t count, Device device) {
+  return make_view(buffer.data(), DType::kInt32, {static_cast<int64_t>(count)}, device);
+}
+
+void build_problem(BenchProblem& p, uint64_t seed) {
+  const BenchCase& c = p.spec;
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  p.qo_indptr.assign(1, 0);
+  p.kv_indptr.assign(1, 0);
+  p.page_indptr.assign(1, 0);
+  for (int b = 0; b < c.batch; ++b) {
+    p.qo_indptr.push_back(p.qo_indptr.back() + c.q_len);
+    p.kv_indptr.push_back(p.kv_indptr.back() + c.kv_len);
+    if (p.is_paged()) {
+      const int pages = (c.kv_len + c.page_size - 1) / c.page_size;
+      p.page_indptr.push_back(p.page_indptr.back() + pages);
+      p.last_page_len.push_back(c.kv_len - (pages - 1) * c.page_size);
+    }
+  }
+  p.total_q = p.qo_indptr.back();
+  p.total_kv = p.kv_indptr.back();
+  const int64_t row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  if (p.is_paged()) {
+    p.num_pages = p.page_indptr.back();
+    // Pages in a shuffled order, as a serving engine's allocator hands them out.
+    p.page_indices.resize(p.num_pages);
+    std::iota(p.page_indices.begin(), p.page_indices.end(), 0);
+    std::mt19937_64 rng(seed);
+    std::shuffle(p.page_indices.begin(), p.page_indices.end(), rng);
+    const size_t cache_bytes = p.num_pages * c.page_size * row * elem;
+    p.k = Buffer(p.device, cache_bytes);
+    p.v = Buffer(p.device, cache_bytes);
+  } else {
+    p.k = Buffer(p.device, p.total_kv * row * elem);
+    p.v = Buffer(p.device, p.total_kv * row * elem);
+  }
+  const int64_t q_elems = p.total_q * c.num_qo_heads * c.head_dim;
+  p.q = Buffer(p.device, q_elems * elem);
+  p.o = Buffer(p.device, q_elems * elem);
+  p.lse = Buffer(p.device, p.total_q * c.num_qo_heads * sizeof(float));
+  p.q.fill_random(p.dtype, seed + 1);
+  p.k.fill_random(p.dtype, seed + 2);
+  p.v.fill_random(p.dtype, seed + 3);
+  p.qo_indptr_buf = int_buffer(p.device, p.qo_indptr);
+  p.kv_indptr_buf = int_buffer(p.device, p.kv_indptr);
+
+  p.q_view = make_view(p.q.data(), p.dtype, {p.total_q, c.num_qo_heads, c.head_dim}, p.device);
+  p.o_view = make_view(p.o.data(), p.dtype, {p.total_q, c.num_qo_heads, c.head_dim}, p.device);
+  p.lse_view = make_view(p.lse.data(), DType::kFloat32, {p.total_q, c.num_qo_heads}, p.device);
+  p.qo_view = int_view(p.qo_indptr_buf, p.qo_indptr.size(), p.device);
+  AttentionOptions options;
+  options.causal = c.causal;
+  if (p.is_paged()) {
+    p.page_indptr_buf = int_buffer(p.device, p.page_indptr);
+    p.page_indices_buf = int_buffer(p.device, p.page_indices);
+    p.last_page_len_buf = int_buffer(p.device, p.last_page_len);
+    const std::initializer_list<int64_t> shape = {p.num_pages, c.page_size, c.num_kv_heads,
+                                                  c.head_dim};
+    p.paged.k_cache = make_view(p.k.data(), p.dtype, shape, p.device);
+    p.paged.v_cache = make_view(p.v.data(), p.dtype, shape, p.device);
+    p.paged.layout = KVLayout::kNHD;
+    p.paged.page_indptr = int_view(p.page_indptr_buf, p.page_indptr.size(), p.device);
+    p.paged.page_indices = int_view(p.page_indices_buf, p.page_indices.size(), p.device);
+    p.paged.last_page_len = int_view(p.last_page_len_buf, p.last_page_len.size(), p.device);
+    if (c.op == AttentionOp::kDecode) {
+      p.plan = plan_decode(p.page_indptr, p.last_page_len, c.page_size, c.num_qo_heads,
+                           c.num_kv_heads, c.head_dim, options, p.device, c.q_len);
+    } else {
+      p.plan = plan_paged_prefill(p.qo_indptr, p.page_indptr, p.last_page_len, c.page_size,
+                                  c.num_qo_heads, c.num_kv_heads, c.head_dim, options, p.device);
+    }
+  } else {
+    p.k_view = make_view(p.k.data(), p.dtype, {p.total_kv, c.num_kv_heads, c.head_dim}, p.device);
+    p.v_view = make_view(p.v.data(), p.dtype, {p.total_kv, c.num_kv_heads, c.head_dim}, p.device);
+    p.kv_view = int_view(p.kv_indptr_buf, p.kv_indptr.size(), p.device);
+    p.plan = plan_ragged_prefill(p.qo_indptr, p.kv_indptr, c.num_qo_heads, c.num_kv_heads,
+                                 c.head_dim, options, p.device);
+  }
+  p.workspace = Buffer(p.device, p.plan.workspace_bytes);
+}
+
+void run_once(BenchProblem& p) {
+  const Workspace workspace{p.workspace.data(), p.workspace.bytes()};
+  switch (p.spec.op) {
+    case AttentionOp::kRaggedPrefill:
+      run_ragged_prefill(p.plan, p.q_view, p.k_view, p.v_view, p.qo_view, p.kv_view, p.o_view,
+                         p.lse_view, workspace);
+      break;
+    case AttentionOp::kPagedPrefill:
+      run_paged_prefill(p.plan, p.q_view, p.paged, p.qo_view, p.o_view, p.lse_view, workspace);
+      break;
+    case AttentionOp::kDecode:
+      run_decode(p.plan, p.q_view, p.paged, p.o_view, p.lse_view, workspace);
+      break;
+  }
+}
+
+// ---- sampled correctness check ----
+
+// Copies request b's q rows, K/V rows and o/lse rows to the host and compares sampled rows
+// with the double-precision oracle. Returns the largest relative L2 error; counts NaNs in all
+// of the request's output rows.
+double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* nan_count) {
+  const BenchCase& c = p.spec;
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  const int64_t q_row = static_cast<int64_t>(c.num_qo_heads) * c.head_dim;
+  const int64_t kv_row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  const int64_t q_begin = p.qo_indptr[b];
+  std::vector<uint8_t> q(c.q_len * q_row * elem), o(c.q_len * q_row * elem);
+  std::vector<float> lse(static_cast<size_t>(c.q_len) * c.num_qo_heads);
+  std::vector<uint8_t> k(static_cast<size_t>(c.kv_len) * kv_row * elem), v(k.size());
+  p.q.copy_to_host(q.data(), q.size(), q_begin * q_row * elem);
+  p.o.copy_to_host(o.data(), o.size(), q_begin * q_row * elem);
+  p.lse.copy_to_host(lse.data(), lse.size() * sizeof(float),
+                     q_begin * c.num_qo_heads * sizeof(float));
+  if (p.is_paged()) {
+    // NHD pages of one request, concatenated in page-table order, are its ragged K/V rows.
+    const int64_t page_bytes = static_cast<int64_t>(c.page_size) * kv_row * elem;
+    for (int32_t i = p.page_indptr[b]; i < p.page_indptr[b + 1]; ++i) {
+      const int64_t local = i - p.page_indptr[b];
+      const int64_t bytes = std::min<int64_t>(page_bytes, k.size() - local * page_bytes);
+      p.k.copy_to_host(k.data() + local * page_bytes, bytes, p.page_indices[i] * page_bytes);
+      p.v.copy_to_host(v.data() + local * page_bytes, bytes, p.page_indices[i] * page_bytes);
+    }
+  } else {
+    p.k.copy_to_host(k.data(), k.size(), p.kv_indptr[b] * kv_row * elem);
+    p.v.copy_to_host(v.data(), v.size(), p.kv_indptr[b] * kv_row * elem);
+  }
+  for (int64_t i = 0; i < c.q_len * q_row; ++i) {
+    *nan_count += std::isnan(detail::load_as_float(o.data(), p.dtype, i));
+  }
+  const int32_t qo_indptr[2] = {0, c.q_len}, kv_indptr[2] = {0, c.kv_len};
+  detail::AttentionProblem host;
+  host.q_dtype = p.dtype;
+  host.batch_size = 1;
+  host.num_qo_heads = c.num_qo_heads;
+  host.num_kv_heads = c.num_kv_heads;
+  host.head_dim = c.head_dim;
+  host.q = q.data();
+  host.q_stride_token = q_row;
+  host.q_stride_head = c.head_dim;
+  host.qo_indptr = qo_indptr;
+  host.kv.dtype = p.dtype;
+  host.kv.k = k.data();
+  host.kv.v = v.data();
+  host.kv.k_stride_token = host.kv.v_stride_token = kv_row;
+  host.kv.k_stride_head = host.kv.v_stride_head = c.head_dim;
+  host.kv.kv_indptr = kv_indptr;
+  host.sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  host.mask.causal = c.causal;
+
+  std::vector<detail::ReferenceRow> rows;
+  std::uniform_int_distribution<int> token_dist(0, c.q_len - 1), head_dist(0, c.num_qo_heads - 1);
+  for (int t = 0; t < kSampledTokens; ++t) {
+    const int token = t == 0 ? 0 : t == 1 ? c.q_len - 1 : token_dist(rng);
+    for (int h = 0; h < kSampledHeads; ++h) {
+      const int head = h == 0 ? 0 : h == 1 ? c.num_qo_heads - 1 : head_dist(rng);
+      rows.push_back({0, token, head});
+    }
+  }
+  std::vector<double> ref_o, ref_lse;
+  detail::cpu_reference_rows(host, rows, &ref_o, &ref_lse);
+  double worst = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    double diff = 0, norm = 0;
+    const int64_t base = rows[r].token * q_row + static_cast<int64_t>(rows[r].qo_head) * c.head_dim;
+    for (int d = 0; d < c.head_dim; ++d) {
+      const double out = detail::load_as_float(o.data(), p.dtype, base + d);
+      const double ref = ref_o[r * c.head_dim + d];
+      diff += (out - ref) * (out - ref);
+      norm += ref * ref;
+    }
+    double err = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+    const double out_lse = lse[static_cast<size_t>(rows[r].token) * c.num_qo_heads +
+                               rows[r].qo_head];
+    if (std::isinf(ref_lse[r]) ? out_lse != ref_lse[r]
+                               : std::fabs(out_lse - ref_lse[r]) > 1e-2 * (1 + std::fabs(ref_lse[r]))) {
+      err = std::max(err, 1.0);  // a wrong lse fails the case
+    }
+    if (std::isnan(err)) err = INFINITY;
+    worst = std::max(worst, err);
+  }
+  return worst;
+}
+
+double visible_pairs(const BenchCase& c) {
+  detail::MaskSpec mask;
+  mask.causal = c.causal;
+  double pairs = 0;
+  for (int i = 0; i < c.q_len; ++i) {
+    int32_t first, last;
+    mask.visible_range(i, c.q_len, c.kv_len, &first, &last);
+    pairs += last - first;
+  }
+  return pairs * c.batch;
+}
+
+// ---- timing ----
+
+double time_cpu_ms(BenchProblem& p, int iterations) {
+  run_once(p);  // warm-up
+  std::vector<double> times;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  const int wanted = iterations > 0 ? iterations : 30;
+  for (int i = 0; i < wanted; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    run_once(p);
+    const auto stop = std::chrono::steady_clock::now();
+    times.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+    if (iterations == 0 && i >= 2 && stop > deadline) break;
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+#if defined(TESSERA_HAVE_CUDA)
+void launch_trampoline(void* context) { run_once(*static_cast<BenchProblem*>(context)); }
+// Larger than the 50-60 MB L2 of current data-centre GPUs.
+constexpr size_t kL2FlushBytes = 256ull << 20;
+#endif
+
+double time_ms(BenchProblem& p, int iterations) {
+  if (p.device.type == DeviceType::kCPU) return time_cpu_ms(p, iterations);
+#if defined(TESSERA_HAVE_CUDA)
+  const int iters = iterations > 0 ? iterations : 30;
+  return detail::cuda_median_ms(&launch_trampoline, &p, 3, iters, nullptr, kL2FlushBytes);
+#else
+  return 0;
+#endif
+}
+
+// ---- suites ----
+
+BenchCase prefill_case(int head_dim, int seq, bool causal, int tokens, int hidden) {
+  BenchCase c;
+  c.op = AttentionOp::kRaggedPrefill;
+  c.batch = std::max(1, tokens / seq);
+  c.q_len = c.kv_len = seq;
+  c.num_qo_heads = c.num_kv_heads = hidden / head_dim;
+  c.head_dim = head_dim;
+  c.causal = causal;
+  c.name = "prefill d" + std::to_string(head_dim) + (causal ? " causal" : "") + " " +
+           std::to_string(c.batch) + "x" + std::to_string(seq) + " h" +
+           std::to_string(c.num_qo_heads);
+  return c;
+}
+
+BenchCase gqa_case(AttentionOp op, int batch, int q_len, int kv_len, bool causal, int page) {
+  BenchCase c;
+  c.op = op;
+  c.batch = batch;
+  c.q_len = q_len;
+  c.kv_len = kv_len;
+  c.num_qo_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.page_size = page;
+  c.causal = causal;
+  const std::string shape = std::to_string(batch) + "x" + std::to_string(kv_len);
+  if (op == AttentionOp::kDecode) {
+    c.name = "decode gqa32/8 d128 p" + std::to_string(page) + " " + shape;
+  } else {
+    c.name = std::string(op == AttentionOp::kPagedPrefill ? "paged prefill p" +
+                                                                std::to_string(page) + " "
+                                                          : "prefill ") +
+             "gqa32/8 d128" + (causal ? " causal " : " ") + shape;
+  }
+  return c;
+}
+
+}  // namespace
+
+Device resolve_backend(const std::string& backend) {
+  if (backend == "cpu" || backend == "cpu-reference") return Device{DeviceType::kCPU, 0};
+  if (backend == "cuda") return Device{DeviceType::kCUDA, 0};
+  if (backend != "auto") {
+    throw Error(Error::Kind::kInvalidArgument,
+                "--backend: expected auto, cpu, cpu-reference or cuda, got '" + backend + "'");
+  }
+  return cuda_available() ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
+}
+
+std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
+  std::vector<BenchCase> cases;
+  const bool quick = suite == "quick";
+  if (suite != "quick" && suite != "standard") {
+    throw Error(Error::Kind::kInvalidArgument,
+                "--suite: expected quick or standard, got '" + suite + "'");
+  }
+  if (device.type == DeviceType::kCUDA) {
+    // The grid of ANCHORS.md: B x S = 16k tokens, H x D = 2048.
+    const std::vector<int> seqs = quick ? std::vector<int>{4096} : std::vector<int>{512, 4096, 16384};
+    const std::vector<int> dims = quick ? std::vector<int>{128} : std::vector<int>{64, 128, 256};
+    for (int d : dims) {
+      for (bool causal : {false, true}) {
+        for (int s : seqs) cases.push_back(prefill_case(d, s, causal, 16384, 2048));
+      }
+    }
+    cases.push_back(gqa_case(AttentionOp::kRaggedPrefill, 4, 4096, 4096, true, 0));
+    if (!quick) cases.push_back(gqa_case(AttentionOp::kRaggedPrefill, 1, 16384, 16384, true, 0));
+    for (int page : quick ? std::vector<int>{16} : std::vector<int>{16, 64}) {
+      cases.push_back(gqa_case(AttentionOp::kPagedPrefill, 4, 4096, 4096, true, page));
+    }
+    const std::vector<std::pair<int, int>> decode_shapes =
+        quick ? std::vector<std::pair<int, int>>{{64, 4096}}
+              : std::vector<std::pair<int, int>>{{1, 1024},  {1, 32768}, {16, 4096}, {16, 32768},
+                                                 {64, 4096}, {64, 32768}, {256, 16384}};
+    for (auto [batch, len] : decode_shapes) {
+      cases.push_back(gqa_case(AttentionOp::kDecode, batch, 1, len, false, 16));
+    }
+    return cases;
+  }
+  // CPU: the foundation's target shape first (D=128, S=2048, 8 heads), then the rest scaled to
+  // what two to a few dozen cores finish in seconds.
+  const int s = quick ? 512 : 2048;
+  cases.push_back(prefill_case(128, s, false, s, 128 * 8));
+  cases.push_back(prefill_case(128, s, true, s, 128 * 8));
+  if (!quick) {
+    cases.push_back(prefill_case(64, 2048, false, 2048, 64 * 8));
+    cases.push_back(prefill_case(256, 1024, false, 1024, 256 * 4));
+  }
+  cases.push_back(gqa_case(AttentionOp::kRaggedPrefill, 1, s / 2, s / 2, true, 0));
+  cases.push_back(gqa_case(AttentionOp::kPagedPrefill, 1, s / 2, s / 2, true, 16));
+  cases.push_back(gqa_case(AttentionOp::kDecode, 8, 1, quick ? 1024 : 4096, false, 16));
+  if (!quick) cases.push_back(gqa_case(AttentionOp::kDecode, 1, 1, 32768, false, 16));
+  return cases;
+}
+
+int run_bench(const BenchOptions& options) {
+  const Device device = resolve_backend(options.backend);
+  const bool reference = options.backend == "cpu-reference";
+  const CpuImpl saved_impl = cpu_impl();
+  if (reference) set_cpu_impl(CpuImpl::kReference);
+
+  double peak_compute = 0, peak_memory = 0;  // TFLOP/s, TB/s
+  std::string peak_how;
+  std::string device_text = describe_device(device);
+  if (device.type == DeviceType::kCPU) {
+    peak_compute = detail::cpu_peak_gflops(&peak_how) / 1e3;
+  } else {
+#if defined(TESSERA_HAVE_CUDA)
+    detail::cuda_device_peaks(device.index, &peak_compute, &peak_memory, &peak_how);
+#endif
+  }
+  std::cout << "tessera bench: " << device_text << (reference ? " (reference oracle)" : "")
+            << ", dtype " << dtype_name(options.dtype) << "\n"
+            << "peak: " << format_double(peak_compute * 1e3, 1) << " GFLOP/s"
+            << (peak_memory > 0 ? ", " + format_double(peak_memory, 2) + " TB/s" : "") << " ("
+            << peak_how << ")\n";
+
+  std::vector<BenchCase> cases = bench_suite(options.suite, device);
+  if (!options.filter.empty()) {
+    std::erase_if(cases, [&](const BenchCase& c) {
+      return c.name.find(options.filter) == std::string::npos;
+    });
+  }
+  std::vector<BenchResult> results;
+  std::mt19937_64 rng(1234);
+  int failures = 0;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const BenchCase& c = cases[i];
+    if (options.progress) {
+      std::cerr << "[" << i + 1 << "/" << cases.size() << "] " << c.name << " ..." << std::endl;
+    }
+    BenchResult result;
+    result.bench_case = c;
+    try {
+      BenchProblem problem;
+      problem.spec = c;
+      problem.device = device;
+      problem.dtype = options.dtype;
+      build_problem(problem, 100 + i);
+      problem.o.poison();
+      problem.lse.poison();
+      run_once(problem);
+      if (options.check) {
+        int nans = 0;
+        double worst = check_request(problem, 0, rng, &nans);
+        if (c.batch > 1) worst = std::max(worst, check_request(problem, c.batch - 1, rng, &nans));
+        result.max_rel_error = worst;
+        result.nan_count = nans;
+        if (worst > kMaxRelError || nans > 0) result.status = "WRONG";
+      }
+      const int iterations =
+          reference ? 1 : options.iterations;
+      result.milliseconds = time_ms(problem, iterations);
+      const double seconds = result.milliseconds * 1e-3;
+      const double elem = static_cast<double>(dtype_size(options.dtype));
+      result.flops = 4.0 * visible_pairs(c) * c.head_dim * c.num_qo_heads;
+      result.bytes = 2.0 * c.batch * static_cast<double>(c.kv_len) * c.num_kv_heads *
+                     c.head_dim * elem;
+      if (c.op == AttentionOp::kDecode) {
+        result.rate = result.bytes / seconds / 1e12;
+        if (peak_memory > 0) result.percent_of_peak = 100.0 * result.rate / peak_memory;
+      } else {
+        result.rate = result.flops / seconds / 1e12;
+        if (peak_compute > 0) result.percent_of_peak = 100.0 * result.rate / peak_compute;
+      }
+    } catch (const std::exception& error) {
+      result.status = std::string("error: ") + error.what();
+    }
+    failures += result.status != "ok";
+    results.push_back(result);
+  }
+  if (reference) set_cpu_impl(saved_impl);
+
+  const bool cpu = device.type == DeviceType::kCPU;
+  std::printf("\n%-44s %10s %12s %8s %10s %s\n", "case", "time ms",
+              cpu ? "GFLOP|GB/s" : "TFLOP|TB/s", "% peak", "max err", "status");
+  for (const BenchResult& r : results) {
+    const double shown = cpu ? r.rate * 1e3 : r.rate;
+    const std::string unit = r.bench_case.op == AttentionOp::kDecode
+                                 ? (cpu ? " GB/s" : " TB/s")
+                                 : (cpu ? " GF/s" : " TF/s");
+    std::printf("%-44s %10.3f %7.2f%s %8s %10s %s\n", r.bench_case.name.c_str(), r.milliseconds,
+                shown, unit.c_str(),
+                r.percent_of_peak >= 0 ? format_double(r.percent_of_peak, 1).c_str() : "-",
+                r.max_rel_error >= 0 ? format_double(r.max_rel_error, 5).c_str() : "-",
+                r.status.c_str());
+  }
+  if (!options.json_path.empty()) {
+    std::ofstream json(options.json_path);
+    json << "{\n  \"device\": \"" << device_text << "\",\n  \"dtype\": \""
+         << dtype_name(options.dtype) << "\",\n  \"peak_tflops\": " << peak_compute
+         << ",\n  \"peak_tbps\": " << peak_memory << ",\n  \"results\": [\n";
+    for (size_t i = 0; i < results.size(); ++i) {
+      const BenchResult& r = results[i];
+      const BenchCase& c = r.bench_case;
+      json << "    {\"name\": \"" << c.name << "\", \"op\": \"" << op_name(c.op)
+           << "\", \"batch\": " << c.batch << ", \"q_len\": " << c.q_len
+           << ", \"kv_len\": " << c.kv_len << ", \"num_qo_heads\": " << c.num_qo_heads
+           << ", \"num_kv_heads\": " << c.num_kv_heads << ", \"head_dim\": " << c.head_dim
+           << ", \"page_size\": " << c.page_size << ", \"causal\": " << (c.causal ? 1 : 0)
+           << ", \"ms\": " << r.milliseconds << ", \"tflops\": " << r.flops / 1e12
+           << ", \"bytes\": " << r.bytes << ", \"rate\": " << r.rate
+           << ", \"percent_of_peak\": " << r.percent_of_peak
+           << ", \"max_rel_error\": " << r.max_rel_error << ", \"nan_count\": " << r.nan_count
+           << ", \"status\": \"" << (r.status == "ok" ? "ok" : "failed") << "\"}"
+           << (i + 1 < results.size() ? "," : "") << "\n";
+    }
+    json << "  ]\n}\n";
+  }
+  if (failures) std::printf("\n%d case(s) failed\n", failures);
+  return failures ? 1 : 0;
+}
+
+}  // namespace tessera::cli

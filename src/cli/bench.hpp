@@ -1,0 +1,54 @@
+// `tessera bench`: the standard suite of prefill, paged prefill and decode shapes for the device
+// found (GPU when present, else CPU), timed, checked against the reference on a sample, and
+// printed as a table (and optionally JSON).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tessera/attention.hpp"
+#include "tessera/types.hpp"
+
+namespace tessera::cli {
+
+struct BenchCase {
+  std::string name;
+  AttentionOp op = AttentionOp::kRaggedPrefill;
+  int batch = 1;
+  int q_len = 0;   // per request (decode: query tokens per request)
+  int kv_len = 0;  // per request
+  int num_qo_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int page_size = 0;  // paged ops
+  bool causal = false;
+};
+
+struct BenchOptions {
+  std::string backend = "auto";  // auto | cpu | cpu-reference | cuda
+  std::string suite = "standard";  // quick | standard
+  std::string filter;             // substring of the case name; empty: all
+  std::string json_path;
+  DType dtype = DType::kBFloat16;
+  int iterations = 0;  // 0: automatic
+  bool check = true;
+  bool progress = true;
+};
+
+struct BenchResult {
+  BenchCase bench_case;
+  double milliseconds = 0;
+  double flops = 0;      // FA convention: 4 * visible (row, key) pairs * head_dim * heads
+  double bytes = 0;      // K + V bytes read (decode)
+  double rate = 0;       // TFLOP/s (prefill) or TB/s (decode)
+  double percent_of_peak = -1;
+  double max_rel_error = -1;  // sampled rows vs the reference; -1: not checked
+  int nan_count = 0;
+  std::string status = "ok";
+};
+
+Device resolve_backend(const std::string& backend);
+std::vector<BenchCase> bench_suite(const std::string& suite, Device device);
+int run_bench(const BenchOptions& options);
+
+}  // namespace tessera::cli

@@ -1,0 +1,129 @@
+// Support for `tessera bench` on CUDA devices: on-device random fill, event timing with an L2
+// flush, and device peaks computed from the hardware (never typed in).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_backend.hpp"
+
+namespace tessera::detail {
+namespace {
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw Error(Error::Kind::kRuntime,
+                std::string("tessera: CUDA error in ") + what + ": " + cudaGetErrorString(status));
+  }
+}
+
+// splitmix64: a counter-based hash, so element i's value does not depend on the launch shape.
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+__global__ void fill_random_kernel(void* ptr, int64_t count, int dtype, uint64_t seed,
+                                   float scale) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += stride) {
+    const uint64_t bits = splitmix64(seed * 0x100000001b3ull + static_cast<uint64_t>(i));
+    const float unit = static_cast<float>(bits >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+    const float value = (2.0f * unit - 1.0f) * scale;
+    switch (static_cast<DType>(dtype)) {
+      case DType::kFloat32: static_cast<float*>(ptr)[i] = value; break;
+      case DType::kFloat16: static_cast<__half*>(ptr)[i] = __float2half(value); break;
+      case DType::kBFloat16:
+        static_cast<__nv_bfloat16*>(ptr)[i] = __float2bfloat16(value);
+        break;
+      default: static_cast<uint8_t*>(ptr)[i] = static_cast<uint8_t>(bits >> 56) & 0x77; break;
+    }
+  }
+}
+
+__global__ void flush_kernel(int4* buffer, int64_t count, int salt) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += stride) {
+    buffer[i] = make_int4(salt, salt, salt, salt);
+  }
+}
+
+// Dense bf16 tensor-core FLOP per clock per SM, by architecture (vendor whitepapers):
+// A100 (sm_80) 2048, sm_86/sm_89 (GeForce/L-series) 1024, H100/H200 (sm_90) 4096.
+double tensor_flop_per_clock_per_sm(int major, int minor) {
+  if (major == 9) return 4096.0;
+  if (major == 8 && minor == 0) return 2048.0;
+  if (major == 8) return 1024.0;
+  if (major >= 10) return 8192.0;
+  return 512.0;
+}
+
+}  // namespace
+
+void cuda_fill_random(void* ptr, int64_t count, DType dtype, uint64_t seed, float scale,
+                      void* stream) {
+  if (count == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>((count + 255) / 256, 65536));
+  fill_random_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      ptr, count, static_cast<int>(dtype), seed, scale);
+  check_cuda(cudaGetLastError(), "fill_random_kernel launch");
+}
+
+double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iters, void* stream,
+                      size_t flush_bytes) {
+  auto s = static_cast<cudaStream_t>(stream);
+  int4* flush = nullptr;
+  const int64_t flush_count = static_cast<int64_t>(flush_bytes / sizeof(int4));
+  if (flush_count > 0) check_cuda(cudaMalloc(&flush, flush_count * sizeof(int4)), "flush alloc");
+  for (int i = 0; i < warmup; ++i) launch(context);
+  cudaEvent_t start, stop;
+  check_cuda(cudaEventCreate(&start), "event create");
+  check_cuda(cudaEventCreate(&stop), "event create");
+  std::vector<float> times;
+  for (int i = 0; i < iters; ++i) {
+    if (flush) flush_kernel<<<1024, 256, 0, s>>>(flush, flush_count, i);
+    check_cuda(cudaEventRecord(start, s), "event record");
+    launch(context);
+    check_cuda(cudaEventRecord(stop, s), "event record");
+    check_cuda(cudaEventSynchronize(stop), "event synchronize");
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, start, stop), "event elapsed");
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  if (flush) cudaFree(flush);
+  std::sort(times.begin(), times.end());
+  return times.empty() ? 0.0 : times[times.size() / 2];
+}
+
+void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps,
+                       std::string* how) {
+  cudaDeviceProp prop;
+  check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  int clock_khz = 0, memory_clock_khz = 0, bus_bits = 0;
+  check_cuda(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device), "clock rate");
+  check_cuda(cudaDeviceGetAttribute(&memory_clock_khz, cudaDevAttrMemoryClockRate, device),
+             "memory clock rate");
+  check_cuda(cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device),
+             "memory bus width");
+  const double per_sm = tensor_flop_per_clock_per_sm(prop.major, prop.minor);
+  *dense_bf16_tflops = prop.multiProcessorCount * per_sm * clock_khz * 1e3 / 1e12;
+  // Double data rate: two transfers per memory clock.
+  *dram_tbps = 2.0 * memory_clock_khz * 1e3 * (bus_bits / 8.0) / 1e12;
+  if (how) {
+    *how = std::to_string(prop.multiProcessorCount) + " SMs x " +
+           std::to_string(clock_khz / 1000) + " MHz x " + std::to_string(int(per_sm)) +
+           " bf16 FLOP/clk/SM; memory " + std::to_string(memory_clock_khz / 1000) + " MHz x " +
+           std::to_string(bus_bits) + "-bit x 2";
+  }
+}
+
+}  // namespace tessera::detail

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds for the GPU machine on this (CPU-only) host and stages what a device run needs into
+# .devbuild/ (git-ignored): the tessera command, libtessera.so and the test binaries.
+# Then, with the device tool: carry [".devbuild"], command
+#   tools/gpu-check.sh "$OUT" .devbuild
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${TESSERA_GPU_BUILD_DIR:-$root/build-gpu}
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTESSERA_CUDA_ARCHS="80;90a" >/dev/null
+start=$(date +%s)
+cmake --build "$build" -j"$(nproc)"
+echo "build: $(( $(date +%s) - start )) s"
+rm -rf "$root/.devbuild"
+mkdir -p "$root/.devbuild/tests"
+cp "$build/tessera" "$build"/libtessera.so* "$root/.devbuild/"
+cp "$build"/tests/test_* "$root/.devbuild/tests/"
+strip --strip-unneeded "$root/.devbuild/tessera" "$root/.devbuild/tests"/test_* 2>/dev/null || true
+du -sh "$root/.devbuild"
