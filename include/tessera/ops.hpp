@@ -16,7 +16,9 @@ struct RopeOptions {
   bool interleave = false;
   float rope_theta = 1e4f;
   float rope_scale = 1.0f;  // linear position interpolation (positions / rope_scale)
-  // Llama 3.1 frequency scaling (used when llama31 is true).
+  // Llama 3.1 frequency scaling (used when llama31 is true). The factor is llama31_factor;
+  // leave rope_scale at 1 (FlashInfer's apply_llama31_rope passes the factor as rope_scale —
+  // here both would apply).
   bool llama31 = false;
   float llama31_factor = 8.0f;
   float llama31_low_freq_factor = 1.0f;
@@ -32,7 +34,9 @@ void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorVi
 // Scatters new rows k_new/v_new [nnz, Hkv, D] (ragged by append_indptr [B+1]) into the paged
 // cache. The page table must already describe the cache *after* the append: request b's new rows
 // land at positions kv_len_b - append_len_b ... kv_len_b - 1. With `rope` non-null, k rows are
-// rotated by those positions as they are written (fused RoPE on k).
+// rotated by those positions as they are written (fused RoPE on k). An fp8 cache stores the
+// values as given (converted with saturation): quantisation scales are the caller's, applied
+// before the append and passed to attention as k_scale / v_scale.
 void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
                            const TensorView& append_indptr, const PagedKVCache& kv,
                            const RopeOptions* rope = nullptr, void* stream = nullptr);
