@@ -1,0 +1,188 @@
+// CUDA backend entry for attention: uploads the plan's lists into the workspace, checks what
+// the kernels need from the arguments and the device, and launches prefill (sm80 kernels) or
+// decode, then the merge of split-KV partials.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <numbers>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/workspace_layout.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/cuda_utils.hpp"
+#include "cuda/sm80/decode_api.hpp"
+#include "cuda/sm80/prefill_api.hpp"
+
+namespace tessera::detail {
+namespace {
+
+// The kernels copy rows with 16-byte cp.async / vector stores: a tensor's base must be 16-byte
+// aligned and every stride that is actually stepped (extent > 1) a multiple of 8 elements.
+constexpr uintptr_t kVectorBytes = 16;
+constexpr int64_t kVectorElements = 8;
+
+void check_vector_access(const char* name, const void* data, bool required,
+                         std::initializer_list<std::pair<int64_t, bool>> strides) {
+  if (!required) return;
+  if (reinterpret_cast<uintptr_t>(data) % kVectorBytes != 0) {
+    throw Error(Error::Kind::kUnsupported,
+                std::string(name) + ": the CUDA kernels need a 16-byte aligned data pointer");
+  }
+  for (const auto& [stride, stepped] : strides) {
+    if (stepped && stride % kVectorElements != 0) {
+      throw Error(Error::Kind::kUnsupported,
+                  std::string(name) + ": stride " + std::to_string(stride) +
+                      " is not a multiple of 8 elements (16 bytes), which the CUDA kernels need");
+    }
+  }
+}
+
+template <class T>
+void upload_list(const std::vector<T>& list, void* device_base, size_t offset,
+                 cudaStream_t stream) {
+  if (list.empty()) return;
+  check_cuda(cudaMemcpyAsync(static_cast<unsigned char*>(device_base) + offset, list.data(),
+                             list.size() * sizeof(T), cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync (plan upload into the workspace)");
+}
+
+void check_prefill_arguments(const Plan& plan, const AttentionProblem& problem,
+                             const CudaDeviceInfo& info) {
+  if (info.sm_major < 8) {
+    throw Error(Error::Kind::kUnsupported,
+                "CUDA prefill needs compute capability 8.0 or newer; device " +
+                    std::to_string(info.device) + " (" + info.name + ") is sm_" +
+                    std::to_string(info.sm_major) + std::to_string(info.sm_minor));
+  }
+  if (problem.q_dtype != DType::kFloat16 && problem.q_dtype != DType::kBFloat16) {
+    throw Error(Error::Kind::kUnsupported, std::string("q dtype ") + dtype_name(problem.q_dtype) +
+                                               " is not supported by CUDA prefill (fp16, bf16)");
+  }
+  if (problem.kv.dtype != problem.q_dtype) {
+    throw Error(Error::Kind::kUnsupported,
+                std::string("k dtype ") + dtype_name(problem.kv.dtype) +
+                    " is not supported by CUDA prefill with q dtype " +
+                    dtype_name(problem.q_dtype) +
+                    " (k/v must have q's dtype; fp8 KV caches are not supported yet)");
+  }
+  if (!(problem.sm_scale > 0.0f) || !std::isfinite(problem.sm_scale)) {
+    throw Error(Error::Kind::kUnsupported,
+                "sm_scale " + std::to_string(problem.sm_scale) +
+                    " must be a positive finite number for CUDA prefill");
+  }
+  if (!std::isfinite(problem.soft_cap)) {
+    throw Error(Error::Kind::kInvalidArgument, "logits_soft_cap must be finite");
+  }
+  int64_t total_kv = 0;
+  for (const int32_t kv_len : plan.kv_lens) total_kv += kv_len;
+  const bool many_tokens = plan.total_q > 1;
+  const bool many_qo_heads = problem.num_qo_heads > 1;
+  const bool many_kv_heads = problem.num_kv_heads > 1;
+  // Ragged keys of all requests share one token stride; paged keys step it inside a page.
+  const bool many_keys = problem.kv.paged ? problem.kv.page_size > 1 : total_kv > 1;
+  const bool paged = problem.kv.paged;
+  check_vector_access(
+      "q", problem.q, plan.total_q > 0,
+      {{problem.q_stride_token, many_tokens}, {problem.q_stride_head, many_qo_heads}});
+  check_vector_access(
+      "o", problem.o, plan.total_q > 0,
+      {{problem.o_stride_token, many_tokens}, {problem.o_stride_head, many_qo_heads}});
+  check_vector_access("k", problem.kv.k, total_kv > 0,
+                      {{problem.kv.k_stride_token, many_keys},
+                       {problem.kv.k_stride_head, many_kv_heads},
+                       {problem.kv.k_stride_page, paged}});
+  check_vector_access("v", problem.kv.v, total_kv > 0,
+                      {{problem.kv.v_stride_token, many_keys},
+                       {problem.kv.v_stride_head, many_kv_heads},
+                       {problem.kv.v_stride_page, paged}});
+}
+
+void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned char* workspace,
+                 const WorkspaceLayout& layout, const CudaDeviceInfo& info, cudaStream_t stream) {
+  check_prefill_arguments(plan, problem, info);
+  const bool soft_cap = problem.soft_cap != 0.0f;
+  const sm80::PrefillKernel* kernel =
+      sm80::find_prefill_kernel(problem.head_dim, problem.q_dtype, soft_cap);
+  if (kernel == nullptr) {
+    throw Error(Error::Kind::kUnsupported,
+                "head_dim " + std::to_string(problem.head_dim) +
+                    " is not supported by CUDA prefill (a multiple of 8 up to 256)");
+  }
+  if (kernel->smem_bytes > info.max_smem_per_block_optin) {
+    throw Error(Error::Kind::kUnsupported,
+                "head_dim " + std::to_string(problem.head_dim) + ": " + kernel->name + " needs " +
+                    std::to_string(kernel->smem_bytes) +
+                    " bytes of shared memory per block, device " + std::to_string(info.device) +
+                    " (" + info.name + ") allows " + std::to_string(info.max_smem_per_block_optin));
+  }
+
+  sm80::PrefillArgs args;
+  args.problem = problem;
+  args.work = reinterpret_cast<const WorkItem*>(workspace + layout.work);
+  args.worker_indptr = reinterpret_cast<const int32_t*>(workspace + layout.worker_indptr);
+  args.num_workers =
+      plan.worker_indptr.empty() ? 0 : static_cast<int32_t>(plan.worker_indptr.size() - 1);
+  args.partial_o = reinterpret_cast<float*>(workspace + layout.partial_o);
+  args.partial_lse = reinterpret_cast<float*>(workspace + layout.partial_lse);
+  constexpr float kLog2e = std::numbers::log2e_v<float>;
+  if (soft_cap) {
+    args.soft_cap_pre = 2.0f * kLog2e * problem.sm_scale / problem.soft_cap;
+    args.soft_cap_post = problem.soft_cap * kLog2e;
+    args.score_scale_log2 = 1.0f;
+  } else {
+    args.score_scale_log2 = problem.sm_scale * kLog2e;
+  }
+  if (plan.work.empty() || args.num_workers == 0) return;  // nothing to attend (no queries)
+  kernel->launch(args, stream);
+
+  if (!plan.merges.empty()) {
+    sm80::MergeArgs merge;
+    merge.problem = problem;
+    merge.merges = reinterpret_cast<const MergeItem*>(workspace + layout.merges);
+    merge.num_merges = static_cast<int32_t>(plan.merges.size());
+    merge.partial_o = args.partial_o;
+    merge.partial_lse = args.partial_lse;
+    sm80::launch_merge_partials(merge, info.num_sms, stream);
+  }
+}
+
+}  // namespace
+
+void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
+                        void* stream) {
+  if (plan.device.type != DeviceType::kCUDA) {
+    throw Error(Error::Kind::kInvalidArgument,
+                "plan: built for " + device_name(plan.device) + ", not for a CUDA device");
+  }
+  CudaDeviceGuard guard(plan.device.index);
+  const CudaDeviceInfo& info = cuda_device_info(plan.device.index);
+  const WorkspaceLayout layout = WorkspaceLayout::of(plan);
+  if (workspace.bytes < layout.total || (layout.total > 0 && workspace.data == nullptr)) {
+    throw Error(Error::Kind::kInvalidArgument,
+                "workspace: the plan needs " + std::to_string(layout.total) + " bytes, got " +
+                    std::to_string(workspace.data == nullptr ? 0 : workspace.bytes));
+  }
+  if (reinterpret_cast<uintptr_t>(workspace.data) % kVectorBytes != 0) {
+    throw Error(Error::Kind::kInvalidArgument, "workspace: data must be 16-byte aligned");
+  }
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  auto* base = static_cast<unsigned char*>(workspace.data);
+  // Plan lists go from the plan's host vectors into the workspace, in stream order before the
+  // kernels that read them.
+  upload_list(plan.work, base, layout.work, cuda_stream);
+  upload_list(plan.worker_indptr, base, layout.worker_indptr, cuda_stream);
+  upload_list(plan.merges, base, layout.merges, cuda_stream);
+
+  if (plan.op == AttentionOp::kDecode) {
+    cuda_decode_attention(plan, problem, workspace, stream);
+    return;
+  }
+  run_prefill(plan, problem, base, layout, info, cuda_stream);
+}
+
+}  // namespace tessera::detail

@@ -1,0 +1,55 @@
+// Small host helpers shared by the CUDA backend: error checks that throw tessera::Error with the
+// failing call or kernel named, and a scoped current-device switch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <string>
+
+#include "tessera/types.hpp"
+
+namespace tessera::detail {
+
+inline std::string cuda_error_text(cudaError_t status) {
+  return std::string(cudaGetErrorName(status)) + " (" + cudaGetErrorString(status) + ")";
+}
+
+// Throws Error(kRuntime) "<what>: <cuda error>" when status is not cudaSuccess.
+inline void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw Error(Error::Kind::kRuntime, std::string(what) + " failed: " + cuda_error_text(status));
+  }
+}
+
+// Call right after a <<<...>>> launch: reports a launch failure with the kernel and its shape.
+inline void check_kernel_launch(const char* kernel_name, dim3 grid, dim3 block, size_t smem_bytes) {
+  const cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) return;
+  throw Error(Error::Kind::kRuntime,
+              std::string("launch of ") + kernel_name + " failed (grid " + std::to_string(grid.x) +
+                  "x" + std::to_string(grid.y) + "x" + std::to_string(grid.z) + ", block " +
+                  std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
+                  std::to_string(block.z) + ", " + std::to_string(smem_bytes) +
+                  " bytes of dynamic shared memory): " + cuda_error_text(status));
+}
+
+// Makes `device` current for the guard's lifetime (no-op when it already is).
+class CudaDeviceGuard {
+ public:
+  explicit CudaDeviceGuard(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~CudaDeviceGuard() {
+    int current = previous_;
+    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+  }
+  CudaDeviceGuard(const CudaDeviceGuard&) = delete;
+  CudaDeviceGuard& operator=(const CudaDeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace tessera::detail

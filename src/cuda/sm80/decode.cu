@@ -1,0 +1,185 @@
+// Host side of the sm80 batch decode: planner knobs for decode on a device, kernel selection
+// (head_dim bucket x q dtype x K/V dtype x query rows per row slot) and the launch over an
+// uploaded plan. The kernels are in decode_kernel.cuh, instantiated per head_dim in
+// decode_d64.cu / decode_d128.cu / decode_d256.cu.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <numbers>
+#include <string>
+
+#include "core/workspace_layout.hpp"
+#include "cuda/sm80/decode_api.hpp"
+#include "cuda/sm80/decode_dequant.cuh"
+#include "cuda/sm80/decode_traits.cuh"
+#include "cuda/sm80/prefill_api.hpp"  // launch_merge_partials
+
+namespace tessera::detail {
+namespace {
+
+// A work item holds up to this many packed query rows (tokens x group heads): 64 covers a
+// speculative-decode request of 8 tokens with a group of 8, or 16 tokens with a group of 4, in
+// one item, so each request's K/V is read once.
+constexpr int32_t kDecodeTileRows = 64;
+// Split-KV pieces are at least this many keys: 16 tiles of the d128 bf16 kernel, long enough to
+// amortise a piece's pipeline prologue and its partial-output write.
+constexpr int32_t kDecodeMinKvChunk = 512;
+// Kernel variant that represents the device in the planner's worker count.
+constexpr int kPlanningRowsPerThread = 4;
+
+int decode_head_dim_bucket(int head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0) return 0;
+  if (head_dim <= 64) return 64;
+  if (head_dim <= 128) return 128;
+  if (head_dim <= 256) return 256;
+  return 0;
+}
+
+const sm80::DecodeKernel* find_decode_kernel(int head_dim, DType q_dtype, DType kv_dtype,
+                                             int rows_per_thread) {
+  switch (decode_head_dim_bucket(head_dim)) {
+    case 64: return sm80::decode_kernel_d64(q_dtype, kv_dtype, rows_per_thread);
+    case 128: return sm80::decode_kernel_d128(q_dtype, kv_dtype, rows_per_thread);
+    case 256: return sm80::decode_kernel_d256(q_dtype, kv_dtype, rows_per_thread);
+    default: return nullptr;
+  }
+}
+
+// Query rows per row slot for items of `rows` packed rows: 1 and 2 exactly, otherwise 4 (more
+// would not fit the registers of a 128-thread CTA at 3 CTAs per SM; large items take several
+// row passes).
+int rows_per_thread_for(int rows) {
+  return rows <= 1 ? 1 : (rows == 2 ? 2 : 4);
+}
+
+const char* name_of(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat16: return "fp16";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat8E4M3: return "fp8 e4m3";
+    case DType::kFloat8E5M2: return "fp8 e5m2";
+    case DType::kFloat32: return "fp32";
+    default: return "an integer dtype";
+  }
+}
+
+size_t kv_element_bytes(DType dtype) {
+  return dtype == DType::kFloat8E4M3 || dtype == DType::kFloat8E5M2 ? 1 : 2;
+}
+
+// Largest power of two <= 16 dividing every K/V row address: both base pointers and every
+// stride that a row address uses, in bytes. 16 is the norm (a contiguous cache with head_dim a
+// multiple of 8 elements); narrower only for exotic views.
+int32_t kv_copy_granularity(const KVSource& kv) {
+  const size_t bytes = kv_element_bytes(kv.dtype);
+  uint64_t bits = reinterpret_cast<uintptr_t>(kv.k) | reinterpret_cast<uintptr_t>(kv.v);
+  bits |= static_cast<uint64_t>(kv.k_stride_page) * bytes |
+          static_cast<uint64_t>(kv.v_stride_page) * bytes;
+  bits |= static_cast<uint64_t>(kv.k_stride_head) * bytes |
+          static_cast<uint64_t>(kv.v_stride_head) * bytes;
+  if (kv.page_size > 1) {
+    bits |= static_cast<uint64_t>(kv.k_stride_token) * bytes |
+            static_cast<uint64_t>(kv.v_stride_token) * bytes;
+  }
+  int32_t granularity = 16;
+  while (granularity > 1 && (bits & static_cast<uint64_t>(granularity - 1)) != 0) granularity /= 2;
+  return granularity;
+}
+
+[[noreturn]] void unsupported(const std::string& message) {
+  throw Error(Error::Kind::kUnsupported, "run_decode: " + message);
+}
+
+}  // namespace
+
+PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_dim,
+                                   const CudaDeviceInfo& info) {
+  PlanConfig config;
+  const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
+  config.q_tile_rows = std::max(kDecodeTileRows, group);
+  const sm80::DecodeKernel* kernel =
+      find_decode_kernel(head_dim, DType::kBFloat16, DType::kBFloat16, kPlanningRowsPerThread);
+  const int ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
+  config.num_workers = std::max(1, info.num_sms) * std::max(1, ctas_per_sm);
+  config.split_kv = true;
+  config.min_kv_chunk = kDecodeMinKvChunk;
+  config.deterministic = false;
+  return config;
+}
+
+void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
+                           void* stream) {
+  if (plan.work.empty() || plan.worker_indptr.size() < 2) return;
+  if (!problem.kv.paged) unsupported("the CUDA decode kernel reads a paged KV cache");
+  if (problem.qo_indptr != nullptr) {
+    unsupported("the CUDA decode kernel takes q_per_request rows per request, not qo_indptr");
+  }
+  const int group = problem.num_qo_heads / problem.num_kv_heads;
+  const int tokens_per_item = std::max(1, plan.config.q_tile_rows / group);
+  const int item_rows = std::min(problem.q_per_request, tokens_per_item) * group;
+  const sm80::DecodeKernel* kernel = find_decode_kernel(
+      problem.head_dim, problem.q_dtype, problem.kv.dtype, rows_per_thread_for(item_rows));
+  if (kernel == nullptr) {
+    unsupported(std::string("no CUDA decode kernel for head_dim ") +
+                std::to_string(problem.head_dim) + ", q " + name_of(problem.q_dtype) + ", K/V " +
+                name_of(problem.kv.dtype) +
+                " (supported: head_dim a multiple of 8 up to 256; q fp16/bf16; K/V as q or fp8)");
+  }
+  const CudaDeviceInfo& info = cuda_device_info(plan.device.index);
+  if (info.sm_major < 8) {  // cp.async and the bf16 conversions are sm_80+
+    unsupported("CUDA decode needs compute capability 8.0 or newer; device " + info.name +
+                " is sm_" + std::to_string(info.sm_major) + std::to_string(info.sm_minor));
+  }
+  if (kernel->smem_bytes > info.max_smem_per_block_optin) {
+    unsupported(std::string(kernel->name) + " needs " + std::to_string(kernel->smem_bytes) +
+                " bytes of shared memory per block, device " + info.name + " allows " +
+                std::to_string(info.max_smem_per_block_optin));
+  }
+
+  const WorkspaceLayout layout = WorkspaceLayout::of(plan);
+  auto* base = static_cast<uint8_t*>(workspace.data);
+  sm80::DecodeArgs args;
+  args.problem = problem;
+  args.work = reinterpret_cast<const WorkItem*>(base + layout.work);
+  args.worker_indptr = reinterpret_cast<const int32_t*>(base + layout.worker_indptr);
+  args.num_workers = static_cast<int32_t>(plan.worker_indptr.size() - 1);
+  args.partial_o = reinterpret_cast<float*>(base + layout.partial_o);
+  args.partial_lse = reinterpret_cast<float*>(base + layout.partial_lse);
+  args.page_size = sm80::FastDivmod::make(static_cast<uint32_t>(problem.kv.page_size));
+
+  // e4m3 is widened to fp16 at 2^-8 of its value (decode_dequant.cuh); the 2^8 goes here.
+  const float dequant = problem.kv.dtype == DType::kFloat8E4M3
+                            ? sm80::KVElement<DType::kFloat8E4M3>::kDequantFactor
+                            : 1.0f;
+  // k_scale / v_scale are applied whatever the K/V dtype, exactly as the CPU backends do (the
+  // public API documents them for fp8 caches; with fp16/bf16 K/V they are left at 1).
+  const float k_scale = problem.k_scale * dequant;
+  const float v_scale = problem.v_scale * dequant;
+  constexpr float kLog2e = std::numbers::log2e_v<float>;
+  if (problem.soft_cap > 0.0f) {
+    args.soft_cap = true;
+    args.q_scale = problem.sm_scale * k_scale / problem.soft_cap;
+    args.soft_cap_log2 = problem.soft_cap * kLog2e;
+  } else {
+    args.soft_cap = false;
+    args.q_scale = problem.sm_scale * k_scale * kLog2e;
+  }
+  args.output_scale = v_scale;
+  args.copy_granularity = kv_copy_granularity(problem.kv);
+  kernel->launch(args, stream);
+
+  // Split-KV pieces wrote float partials: combine them into o / lse (same stream, so after the
+  // decode kernel).
+  if (!plan.merges.empty()) {
+    sm80::MergeArgs merge;
+    merge.problem = problem;
+    merge.merges = reinterpret_cast<const MergeItem*>(base + layout.merges);
+    merge.num_merges = static_cast<int32_t>(plan.merges.size());
+    merge.partial_o = args.partial_o;
+    merge.partial_lse = args.partial_lse;
+    sm80::launch_merge_partials(merge, info.num_sms, stream);
+  }
+}
+
+}  // namespace tessera::detail

@@ -1,0 +1,20 @@
+// Interface of the sm80 batch-decode kernel (src/cuda/sm80/decode.cu). The CUDA backend's
+// dispatch (device.cu, attention.cu) calls these for AttentionOp::kDecode.
+#pragma once
+
+#include "core/problem.hpp"
+#include "cuda/cuda_backend.hpp"
+#include "tessera/attention.hpp"
+
+namespace tessera::detail {
+
+// Planner knobs for decode on this device (tile rows, persistent workers, split-KV policy).
+PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_dim,
+                                   const CudaDeviceInfo& device);
+
+// Runs a decode plan: the plan's lists are already uploaded into `workspace`
+// (WorkspaceLayout); launches the decode kernel and the merge of its split-KV partials.
+void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
+                           void* stream);
+
+}  // namespace tessera::detail

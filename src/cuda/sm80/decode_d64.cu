@@ -1,0 +1,13 @@
+// sm80 decode kernels for head_dim 64 (and every smaller multiple of 8 above the previous bucket,
+// zero-padded): q fp16/bf16 x K/V (same dtype, fp8 e4m3, fp8 e5m2) x 1/2/4 query rows per row
+// slot. One translation unit per head_dim so the build parallelises; shapes are in
+// decode_traits.cuh.
+#include "cuda/sm80/decode_kernel.cuh"
+
+namespace tessera::detail::sm80 {
+
+const DecodeKernel* decode_kernel_d64(DType q_dtype, DType kv_dtype, int rows_per_thread) {
+  return select_decode_kernel<64>(q_dtype, kv_dtype, rows_per_thread);
+}
+
+}  // namespace tessera::detail::sm80

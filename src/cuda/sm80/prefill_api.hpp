@@ -1,0 +1,84 @@
+// Host-side interface of the sm80 (FlashAttention-2 style) prefill kernels: what the launcher in
+// cuda/attention.cu and the planner knobs in cuda/device.cu need, without CUDA headers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/problem.hpp"
+#include "tessera/attention.hpp"
+#include "tessera/types.hpp"
+
+namespace tessera::detail::sm80 {
+
+// Everything a prefill kernel reads, built on the host and passed by value (__grid_constant__).
+struct PrefillArgs {
+  AttentionProblem problem;                // device pointers
+  const WorkItem* work = nullptr;          // uploaded plan.work
+  const int32_t* worker_indptr = nullptr;  // [num_workers + 1]
+  int32_t num_workers = 0;                 // grid size: one persistent CTA per worker
+  float* partial_o = nullptr;              // [num_partial_rows, head_dim] float32 (split-KV pieces)
+  float* partial_lse = nullptr;            // [num_partial_rows] float32, natural log
+  // Softmax runs in base 2: p = 2^(s * score_scale_log2 - m). Without soft-cap,
+  // score_scale_log2 = sm_scale * log2(e). With soft-cap the logits are first mapped to
+  // log2(e) * cap * tanh(sm_scale * s / cap), already in base 2 (score_scale_log2 = 1), through
+  // e^(2x) = 2^(soft_cap_pre * s) with soft_cap_pre = 2 * log2(e) * sm_scale / cap and
+  // soft_cap_post = log2(e) * cap.
+  float score_scale_log2 = 0.0f;
+  float soft_cap_pre = 0.0f;
+  float soft_cap_post = 0.0f;
+};
+
+// One compiled prefill kernel (head_dim bucket x dtype x soft-cap) and its launch shape.
+struct PrefillKernel {
+  const char* name;
+  int head_dim;  // instantiated head_dim (64, 128, 256); smaller multiples of 8 are padded
+  int block_m;   // packed query rows (tokens x group heads) per CTA tile
+  int block_n;   // keys per K/V tile
+  int num_threads;
+  int stages;
+  size_t smem_bytes;
+  // Launches one CTA per worker on `stream` (a cudaStream_t). Throws tessera::Error(kRuntime)
+  // naming the kernel and launch shape when the launch fails.
+  void (*launch)(const PrefillArgs& args, void* stream);
+  // Resident CTAs per SM on `device` (0 when the kernel cannot run there).
+  int (*max_ctas_per_sm)(int device);
+};
+
+// Instantiated head_dim that serves `head_dim` (next of 64, 128, 256), 0 when none does.
+constexpr int prefill_head_dim_bucket(int head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0) return 0;
+  if (head_dim <= 64) return 64;
+  if (head_dim <= 128) return 128;
+  if (head_dim <= 256) return 256;
+  return 0;
+}
+
+// Per-bucket tables, one per translation unit (prefill_d64.cu, prefill_d128.cu, prefill_d256.cu).
+// `dtype` is the q/k/v dtype (fp16 or bf16); nullptr for any other dtype.
+const PrefillKernel* prefill_kernel_d64(DType dtype, bool soft_cap);
+const PrefillKernel* prefill_kernel_d128(DType dtype, bool soft_cap);
+const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap);
+
+// The kernel serving (head_dim, dtype, soft-cap), nullptr when none does.
+inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool soft_cap) {
+  switch (prefill_head_dim_bucket(head_dim)) {
+    case 64: return prefill_kernel_d64(dtype, soft_cap);
+    case 128: return prefill_kernel_d128(dtype, soft_cap);
+    case 256: return prefill_kernel_d256(dtype, soft_cap);
+    default: return nullptr;
+  }
+}
+
+// Merge of split-KV partials (merge_partials.cu): for every MergeItem, combines the float
+// partial (o, lse) rows of its splits into o (q dtype, at the problem's strides) and lse.
+struct MergeArgs {
+  AttentionProblem problem;           // device pointers; o / lse are written
+  const MergeItem* merges = nullptr;  // uploaded plan.merges
+  int32_t num_merges = 0;
+  const float* partial_o = nullptr;
+  const float* partial_lse = nullptr;
+};
+void launch_merge_partials(const MergeArgs& args, int num_sms, void* stream);
+
+}  // namespace tessera::detail::sm80

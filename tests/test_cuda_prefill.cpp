@@ -1,0 +1,494 @@
+// GPU tests of the sm80 prefill kernels (ragged and paged) and the split-KV merge, against the
+// double-precision CPU reference. Every case runs three plans: the public planner's, the real
+// planner with forced split-KV (tiny min_kv_chunk, many workers), and a hand-made plan with
+// arbitrary q tiles, key pieces and worker counts through the backend entry directly.
+//
+// Without a CUDA device every test skips. TESSERA_TEST_REDUCED=1 shrinks the random suites;
+// the CudaPrefillSanitizer suite is a handful of small cases for
+//   compute-sanitizer --tool memcheck test_cuda_prefill --gtest_filter='CudaPrefillSanitizer.*'
+// (also racecheck / synccheck). TESSERA_TEST_SEED reproduces another random run.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
+#include <iterator>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/attention_testing.hpp"
+#include "core/backends.hpp"
+#include "core/planner.hpp"
+#include "core/workspace_layout.hpp"
+#include "tessera/attention.hpp"
+#include "tessera/types.hpp"
+
+#if defined(TESSERA_HAVE_CUDA)
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace tessera {
+namespace {
+
+#if defined(TESSERA_HAVE_CUDA)
+
+using test::AttentionBuffers;
+using test::AttentionCase;
+using test::Comparison;
+using test::Outputs;
+
+constexpr Device kGpu{DeviceType::kCUDA, 0};
+// The brief's bar for fp16/bf16 outputs (P is rounded to the input dtype before P x V, as in
+// FlashAttention-2, so bf16 cases are looser than the CPU fast path's float P).
+constexpr double kOutputTolerance = 1e-2;
+
+#define TESSERA_SKIP_WITHOUT_GPU()                         \
+  do {                                                     \
+    if (detail::cuda_device_count_or_zero() == 0) {        \
+      GTEST_SKIP() << "no CUDA device: GPU tests skipped"; \
+    }                                                      \
+  } while (0)
+
+uint64_t base_seed() {
+  const char* env = std::getenv("TESSERA_TEST_SEED");
+  return env ? std::strtoull(env, nullptr, 10) : 20240917ull;
+}
+
+bool reduced_run() {
+  const char* env = std::getenv("TESSERA_TEST_REDUCED");
+  return env != nullptr && std::string(env) == "1";
+}
+
+// Owning device allocation, optionally initialised from a host vector.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes = 0) : bytes_(bytes), data_(detail::cuda_alloc(bytes)) {}
+  template <class T>
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
+    upload(host);
+  }
+  ~DeviceBuffer() { detail::cuda_free(data_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  template <class T>
+  void upload(const std::vector<T>& host) {
+    ASSERT_EQ(host.size() * sizeof(T), bytes_);
+    detail::cuda_copy_to_device(data_, host.data(), bytes_, nullptr);
+  }
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  size_t bytes_ = 0;
+  void* data_ = nullptr;
+};
+
+// Device copies of a case's buffers (byte for byte: NaN padding and spare pages included).
+struct DeviceCase {
+  const AttentionBuffers& host;
+  DeviceBuffer q, k, v, o, lse, qo_indptr, kv_indptr, page_indptr, page_indices, last_page_len;
+  test::BufferPointers pointers;
+
+  explicit DeviceCase(const AttentionBuffers& buffers)
+      : host(buffers),
+        q(buffers.q),
+        k(buffers.k),
+        v(buffers.v),
+        o(buffers.o),
+        lse(buffers.lse),
+        qo_indptr(buffers.qo_indptr),
+        kv_indptr(buffers.kv_indptr),
+        page_indptr(buffers.page_indptr),
+        page_indices(buffers.page_indices),
+        last_page_len(buffers.last_page_len) {
+    pointers.q = q.data();
+    pointers.k = k.data();
+    pointers.v = v.data();
+    pointers.o = o.data();
+    pointers.lse = buffers.test_case.with_lse ? static_cast<float*>(lse.data()) : nullptr;
+    pointers.qo_indptr = static_cast<const int32_t*>(qo_indptr.data());
+    pointers.kv_indptr = static_cast<const int32_t*>(kv_indptr.data());
+    pointers.page_indptr = static_cast<const int32_t*>(page_indptr.data());
+    pointers.page_indices = static_cast<const int32_t*>(page_indices.data());
+    pointers.last_page_len = static_cast<const int32_t*>(last_page_len.data());
+  }
+
+  // NaN-poisoned outputs on the device (the host buffers are poisoned first).
+  void poison_outputs(AttentionBuffers& buffers) {
+    test::poison_outputs(buffers);
+    o.upload(buffers.o);
+    lse.upload(buffers.lse);
+  }
+
+  Outputs download() const {
+    Outputs out{std::vector<uint8_t>(o.bytes()), std::vector<uint8_t>(lse.bytes())};
+    detail::cuda_copy_to_host(out.o.data(), o.data(), o.bytes(), nullptr);
+    detail::cuda_copy_to_host(out.lse.data(), lse.data(), lse.bytes(), nullptr);
+    return out;
+  }
+
+  // ---- public-API views ----
+  TensorView view(const DeviceBuffer& buffer, DType dtype, std::initializer_list<int64_t> shape,
+                  std::initializer_list<int64_t> stride) const {
+    return make_view(buffer.data(), dtype, shape, stride, kGpu);
+  }
+  TensorView index_view(const DeviceBuffer& buffer, int64_t count) const {
+    return make_view(buffer.data(), DType::kInt32, {count}, kGpu);
+  }
+  TensorView q_view() const {
+    const AttentionCase& c = host.test_case;
+    return view(q, c.q_dtype, {c.total_q(), c.num_qo_heads, c.head_dim},
+                {host.q_stride_token, host.q_stride_head, 1});
+  }
+  TensorView o_view() const {
+    const AttentionCase& c = host.test_case;
+    return view(o, c.q_dtype, {c.total_q(), c.num_qo_heads, c.head_dim},
+                {host.o_stride_token, host.o_stride_head, 1});
+  }
+  TensorView lse_view() const {
+    const AttentionCase& c = host.test_case;
+    if (!c.with_lse) return TensorView{};
+    return view(lse, DType::kFloat32, {c.total_q(), c.num_qo_heads}, {host.lse_stride_token, 1});
+  }
+  TensorView ragged_kv_view(const DeviceBuffer& buffer) const {
+    const AttentionCase& c = host.test_case;
+    return view(buffer, c.kv_dtype, {c.total_kv(), c.num_kv_heads, c.head_dim},
+                {host.kv_stride_token, host.kv_stride_head, 1});
+  }
+  PagedKVCache paged_cache() const {
+    const AttentionCase& c = host.test_case;
+    PagedKVCache cache;
+    cache.layout = c.layout;
+    for (auto [target, buffer] : {std::pair{&cache.k_cache, &k}, {&cache.v_cache, &v}}) {
+      *target =
+          c.layout == KVLayout::kNHD
+              ? view(*buffer, c.kv_dtype, {host.num_pages, c.page_size, c.num_kv_heads, c.head_dim},
+                     {host.kv_stride_page, host.kv_stride_token, host.kv_stride_head, 1})
+              : view(*buffer, c.kv_dtype, {host.num_pages, c.num_kv_heads, c.page_size, c.head_dim},
+                     {host.kv_stride_page, host.kv_stride_head, host.kv_stride_token, 1});
+    }
+    cache.page_indptr = index_view(page_indptr, c.batch_size() + 1);
+    cache.page_indices = index_view(page_indices, static_cast<int64_t>(host.page_indices.size()));
+    cache.last_page_len = index_view(last_page_len, c.batch_size());
+    return cache;
+  }
+};
+
+AttentionOptions options_of(const AttentionCase& c) {
+  AttentionOptions options;
+  options.causal = c.causal;
+  options.window_left = c.window_left;
+  options.window_right = c.window_right;
+  options.logits_soft_cap = c.soft_cap;
+  options.sm_scale = c.sm_scale;
+  options.k_scale = c.k_scale;
+  options.v_scale = c.v_scale;
+  return options;
+}
+
+AttentionOp op_of(const AttentionCase& c) {
+  return c.paged ? AttentionOp::kPagedPrefill : AttentionOp::kRaggedPrefill;
+}
+
+// The plan the public API makes for this case on the GPU.
+Plan public_plan(const AttentionBuffers& buffers) {
+  const AttentionCase& c = buffers.test_case;
+  if (!c.paged) {
+    return plan_ragged_prefill(buffers.qo_indptr, buffers.kv_indptr, c.num_qo_heads, c.num_kv_heads,
+                               c.head_dim, options_of(c), kGpu);
+  }
+  return plan_paged_prefill(buffers.qo_indptr, buffers.page_indptr, buffers.last_page_len,
+                            c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim, options_of(c),
+                            kGpu);
+}
+
+// The real planner with the device's knobs, but split-KV forced: small key pieces and many
+// workers, so most key ranges are split and merged.
+Plan forced_split_plan(const AttentionCase& c, int32_t num_workers) {
+  detail::PlanShape shape;
+  shape.op = op_of(c);
+  shape.device = kGpu;
+  shape.q_lens = c.q_lens;
+  shape.kv_lens = c.kv_lens;
+  shape.num_qo_heads = c.num_qo_heads;
+  shape.num_kv_heads = c.num_kv_heads;
+  shape.head_dim = c.head_dim;
+  shape.page_size = c.paged ? c.page_size : 0;
+  shape.options = options_of(c);
+  PlanConfig config = detail::cuda_plan_config(shape.op, c.num_qo_heads, c.num_kv_heads, c.head_dim,
+                                               c.kv_dtype, kGpu.index);
+  config.split_kv = true;
+  config.min_kv_chunk = detail::kSplitAlignment;
+  config.num_workers = num_workers;
+  return detail::make_plan(shape, config);
+}
+
+// Runs `plan` through run_ragged_prefill / run_paged_prefill with a NaN-filled workspace.
+Outputs run_public(AttentionBuffers& buffers, DeviceCase& device, const Plan& plan) {
+  device.poison_outputs(buffers);
+  DeviceBuffer workspace(plan.workspace_bytes);
+  detail::cuda_memset(workspace.data(), 0xff, workspace.bytes(), nullptr);
+  const Workspace space{workspace.data(), workspace.bytes()};
+  const AttentionCase& c = buffers.test_case;
+  if (!c.paged) {
+    run_ragged_prefill(plan, device.q_view(), device.ragged_kv_view(device.k),
+                       device.ragged_kv_view(device.v),
+                       device.index_view(device.qo_indptr, c.batch_size() + 1),
+                       device.index_view(device.kv_indptr, c.batch_size() + 1), device.o_view(),
+                       device.lse_view(), space, nullptr);
+  } else {
+    run_paged_prefill(plan, device.q_view(), device.paged_cache(),
+                      device.index_view(device.qo_indptr, c.batch_size() + 1), device.o_view(),
+                      device.lse_view(), space, nullptr);
+  }
+  detail::cuda_synchronize(nullptr);
+  return device.download();
+}
+
+// Runs a hand-made plan (arbitrary q tiles, key pieces, workers) through the backend entry.
+Outputs run_hand_made(AttentionBuffers& buffers, DeviceCase& device,
+                      const test::TestPlanOptions& options) {
+  Plan plan = test::make_test_plan(buffers.test_case, options);
+  plan.device = kGpu;
+  plan.workspace_bytes = detail::WorkspaceLayout::of(plan).total;
+  device.poison_outputs(buffers);
+  DeviceBuffer workspace(plan.workspace_bytes);
+  detail::cuda_memset(workspace.data(), 0xff, workspace.bytes(), nullptr);
+  detail::cuda_run_attention(plan, test::make_problem(buffers, device.pointers),
+                             Workspace{workspace.data(), workspace.bytes()}, nullptr);
+  detail::cuda_synchronize(nullptr);
+  return device.download();
+}
+
+Outputs run_reference(AttentionBuffers& buffers) {
+  test::poison_outputs(buffers);
+  detail::cpu_reference_attention(test::make_problem(buffers));
+  return test::copy_outputs(buffers);
+}
+
+void expect_close(const AttentionBuffers& buffers, const Outputs& actual, const Outputs& expected,
+                  const std::string& run) {
+  const Comparison result = test::compare_outputs(buffers, actual, expected);
+  const AttentionCase& c = buffers.test_case;
+  EXPECT_TRUE(result.ok(kOutputTolerance, test::default_lse_tolerance(c)))
+      << result.describe() << "\n  case: " << c.describe() << "\n  run: " << run;
+}
+
+// What the CUDA kernels serve: fp16/bf16 q with K/V of the same dtype, prefill (ragged queries),
+// strides that are multiples of 8 elements (16-byte rows for cp.async).
+test::RandomCaseOptions gpu_case_options() {
+  test::RandomCaseOptions options;
+  options.q_dtypes = {DType::kFloat16, DType::kBFloat16};
+  options.allow_fp8_kv = false;
+  return options;
+}
+
+AttentionCase make_gpu_case(AttentionCase c) {
+  c.uniform_q = false;
+  for (int32_t* pad : {&c.q_head_pad, &c.q_token_pad, &c.o_head_pad, &c.o_token_pad, &c.kv_head_pad,
+                       &c.kv_token_pad}) {
+    *pad = *pad / 8 * 8;
+  }
+  return c;
+}
+
+// Reference once, then the three plans of the file comment.
+void check_case(const AttentionCase& c, std::mt19937_64& rng) {
+  AttentionBuffers buffers = test::make_buffers(c, rng);
+  const Outputs expected = run_reference(buffers);
+  DeviceCase device(buffers);
+
+  const Plan plan = public_plan(buffers);
+  expect_close(buffers, run_public(buffers, device, plan), expected, "public plan");
+
+  const int32_t workers = std::uniform_int_distribution<int32_t>(1, 300)(rng);
+  const Plan split = forced_split_plan(c, workers);
+  expect_close(buffers, run_public(buffers, device, split), expected,
+               "forced split-KV plan, workers=" + std::to_string(workers) +
+                   " merges=" + std::to_string(split.merges.size()));
+
+  test::TestPlanOptions hand_made;
+  const int32_t tile_rows[] = {1, 16, 64, 100, 128, 256, 300};
+  const int32_t kv_chunks[] = {0, 1, 17, 64, 100};
+  hand_made.q_tile_rows = tile_rows[rng() % std::size(tile_rows)];
+  hand_made.kv_chunk = kv_chunks[rng() % std::size(kv_chunks)];
+  hand_made.num_workers = std::uniform_int_distribution<int32_t>(1, 64)(rng);
+  expect_close(buffers, run_hand_made(buffers, device, hand_made), expected,
+               "hand-made plan q_tile_rows=" + std::to_string(hand_made.q_tile_rows) +
+                   " kv_chunk=" + std::to_string(hand_made.kv_chunk) +
+                   " workers=" + std::to_string(hand_made.num_workers));
+}
+
+void run_random_suite(int cases, uint64_t seed, const test::RandomCaseOptions& options) {
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < cases; ++i) {
+    const AttentionCase c = make_gpu_case(test::random_case(rng, options));
+    SCOPED_TRACE("random case " + std::to_string(i) + " (seed " + std::to_string(seed) + ")");
+    check_case(c, rng);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// A case with every length set by hand.
+AttentionCase manual_case(std::vector<int32_t> q_lens, std::vector<int32_t> kv_lens,
+                          int32_t num_qo_heads, int32_t num_kv_heads, int32_t head_dim,
+                          DType dtype) {
+  AttentionCase c;
+  c.q_lens = std::move(q_lens);
+  c.kv_lens = std::move(kv_lens);
+  c.num_qo_heads = num_qo_heads;
+  c.num_kv_heads = num_kv_heads;
+  c.head_dim = head_dim;
+  c.q_dtype = c.kv_dtype = dtype;
+  return c;
+}
+
+// ---- random suites ----
+
+TEST(CudaPrefill, RandomRaggedAndPagedCasesMatchReference) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  // >= 200 configurations; random_case makes about half of them paged (NHD and HND, page sizes
+  // 1 .. 128) and covers GQA ratios, head_dims (any multiple of 8), masks, soft-cap and strides.
+  run_random_suite(reduced_run() ? 12 : 240, base_seed(), gpu_case_options());
+}
+
+TEST(CudaPrefill, RandomLongCasesMatchReference) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  // Fewer, longer requests: many key tiles per CTA tile, so the cp.async pipeline wraps around
+  // its buffers many times and split-KV produces many pieces.
+  test::RandomCaseOptions options = gpu_case_options();
+  options.max_batch = 2;
+  options.max_q_len = 300;
+  options.max_kv_len = 2000;
+  options.max_reference_macs = 60'000'000;
+  run_random_suite(reduced_run() ? 3 : 24, base_seed() + 1, options);
+}
+
+// ---- hand-picked edge cases ----
+
+TEST(CudaPrefill, RowsWithoutKeysGiveZeroAndMinusInf) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 2);
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    // Causal with q_len > kv_len (the first rows see nothing), an empty request, a request
+    // without queries, and a window that leaves some middle rows keyless.
+    AttentionCase c = manual_case({40, 5, 0, 70}, {10, 0, 30, 200}, 8, 2, 128, dtype);
+    c.causal = true;
+    check_case(c, rng);
+    c.causal = false;
+    c.window_left = 0;
+    c.window_right = 0;
+    check_case(c, rng);
+  }
+}
+
+TEST(CudaPrefill, GroupLargerThanTheCtaTile) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 3);
+  // 96 query heads per kv head at d256 (64-row CTA tiles) and 160 at d128 (128-row tiles): a
+  // work item holds more packed rows than one CTA tile and is walked in several.
+  check_case(manual_case({3, 17}, {90, 33}, 96, 1, 256, DType::kBFloat16), rng);
+  AttentionCase c = manual_case({9}, {150}, 160, 1, 128, DType::kFloat16);
+  c.causal = true;
+  check_case(c, rng);
+}
+
+TEST(CudaPrefill, PaddedHeadDims) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 4);
+  for (int32_t head_dim : {8, 40, 64, 72, 136, 200, 248, 256}) {
+    AttentionCase c = manual_case({33, 70}, {65, 129}, 4, 2, head_dim, DType::kFloat16);
+    c.window_left = 20;
+    c.window_right = 3;
+    c.q_head_pad = 8;
+    c.kv_token_pad = 16;
+    SCOPED_TRACE("head_dim " + std::to_string(head_dim));
+    check_case(c, rng);
+  }
+}
+
+TEST(CudaPrefill, PagedLayoutsAndPageSizes) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 5);
+  for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
+    for (int32_t page_size : {1, 7, 16, 64, 128}) {
+      AttentionCase c = manual_case({64, 1, 129}, {300, 77, 129}, 8, 4, 128, DType::kBFloat16);
+      c.paged = true;
+      c.layout = layout;
+      c.page_size = page_size;
+      c.spare_pages = 3;
+      c.causal = true;
+      c.soft_cap = 30.0f;
+      SCOPED_TRACE("page_size " + std::to_string(page_size));
+      check_case(c, rng);
+    }
+  }
+}
+
+// ---- errors ----
+
+TEST(CudaPrefill, RejectsFp8KvCacheNamingKDtype) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 6);
+  AttentionCase c = manual_case({4}, {20}, 2, 1, 64, DType::kFloat16);
+  c.kv_dtype = DType::kFloat8E4M3;
+  AttentionBuffers buffers = test::make_buffers(c, rng);
+  DeviceCase device(buffers);
+  try {
+    run_public(buffers, device, public_plan(buffers));
+    FAIL() << "fp8 K/V ran on the CUDA prefill kernels";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kUnsupported);
+    EXPECT_NE(std::string(error.what()).find("k dtype"), std::string::npos) << error.what();
+  }
+}
+
+TEST(CudaPrefill, RejectsStridesThatAreNotMultiplesOf8) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 7);
+  AttentionCase c = manual_case({4}, {20}, 2, 1, 64, DType::kFloat16);
+  c.q_head_pad = 4;
+  AttentionBuffers buffers = test::make_buffers(c, rng);
+  DeviceCase device(buffers);
+  try {
+    run_public(buffers, device, public_plan(buffers));
+    FAIL() << "a q head stride of 68 elements was accepted";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kUnsupported);
+    EXPECT_NE(std::string(error.what()).find("stride"), std::string::npos) << error.what();
+  }
+}
+
+// ---- compute-sanitizer set: few, small, every code path ----
+
+TEST(CudaPrefillSanitizer, SmallCasesEveryPath) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 8);
+  test::RandomCaseOptions options = gpu_case_options();
+  options.max_q_len = 24;
+  options.max_kv_len = 150;
+  options.max_reference_macs = 1'000'000;
+  for (int i = 0; i < 6; ++i) {
+    AttentionCase c = make_gpu_case(test::random_case(rng, options));
+    c.head_dim = (i % 3 == 0) ? 64 : (i % 3 == 1) ? 128 : 256;  // one kernel bucket each
+    c.paged = i % 2 == 1;
+    c.causal = i >= 2;
+    c.soft_cap = i == 4 ? 20.0f : 0.0f;
+    SCOPED_TRACE("sanitizer case " + std::to_string(i));
+    check_case(c, rng);
+  }
+}
+
+#else  // !TESSERA_HAVE_CUDA
+
+TEST(CudaPrefill, BuiltWithoutCuda) {
+  GTEST_SKIP() << "no CUDA device: GPU tests skipped (this build has no CUDA backend)";
+}
+
+#endif
+
+}  // namespace
+}  // namespace tessera
