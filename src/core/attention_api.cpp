@@ -184,6 +184,14 @@ AttentionProblem base_problem(const Plan& plan, const TensorView& q, const Tenso
   return problem;
 }
 
+// k_scale / v_scale dequantise an fp8 cache; for fp16/bf16 K/V they are documented as ignored,
+// so every backend sees 1 there.
+void dispatch(const Plan& plan, AttentionProblem& problem, Workspace workspace, void* stream) {
+  const bool fp8 = problem.kv.dtype == DType::kFloat8E4M3 || problem.kv.dtype == DType::kFloat8E5M2;
+  if (!fp8) problem.k_scale = problem.v_scale = 1.0f;
+  detail::dispatch_attention(plan, problem, workspace, stream);
+}
+
 int64_t total_of(const std::vector<int32_t>& lengths) {
   return std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
 }
@@ -349,7 +357,7 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
   problem.kv.v_stride_token = v.stride[0];
   problem.kv.v_stride_head = v.stride[1];
   problem.kv.kv_indptr = kv_indptr.ptr<const int32_t>();
-  detail::dispatch_attention(plan, problem, workspace, stream);
+  dispatch(plan, problem, workspace, stream);
 }
 
 void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
@@ -364,7 +372,7 @@ void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache
   AttentionProblem problem = base_problem(plan, q, o, lse);
   problem.qo_indptr = qo_indptr.ptr<const int32_t>();
   problem.kv = source;
-  detail::dispatch_attention(plan, problem, workspace, stream);
+  dispatch(plan, problem, workspace, stream);
 }
 
 void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
@@ -378,7 +386,7 @@ void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
   problem.qo_indptr = nullptr;
   problem.q_per_request = plan.batch_size > 0 ? plan.q_lens[0] : 1;
   problem.kv = source;
-  detail::dispatch_attention(plan, problem, workspace, stream);
+  dispatch(plan, problem, workspace, stream);
 }
 
 // ---------------------------------------------------------------- one-shot

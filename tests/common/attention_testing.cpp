@@ -462,8 +462,10 @@ double default_lse_tolerance(const AttentionCase& c) {
 
 Plan make_test_plan(const AttentionCase& c, const TestPlanOptions& options) {
   Plan plan;
-  plan.op = c.uniform_q ? AttentionOp::kDecode
-                        : (c.paged ? AttentionOp::kPagedPrefill : AttentionOp::kRaggedPrefill);
+  // Decode in the public API means paged K/V; uniform queries over ragged K/V are a prefill.
+  plan.op = c.uniform_q && c.paged
+                ? AttentionOp::kDecode
+                : (c.paged ? AttentionOp::kPagedPrefill : AttentionOp::kRaggedPrefill);
   plan.batch_size = c.batch_size();
   plan.num_qo_heads = c.num_qo_heads;
   plan.num_kv_heads = c.num_kv_heads;

@@ -1,0 +1,380 @@
+"""Hugging Face transformers attention backend ``"tessera"`` (transformers >= 4.48).
+
+Usage::
+
+    import tessera.integrations.transformers as tessera_hf
+    tessera_hf.register()                       # adds "tessera" to AttentionInterface
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="tessera")
+    # or, on a loaded model: model.set_attn_implementation("tessera") (transformers >= 4.54),
+    # or model.config._attn_implementation = "tessera"
+
+What it serves (anything else raises ValueError instead of computing a wrong answer):
+
+* causal self-attention (``module.is_causal``) and non-causal attention, prefill and decode with
+  the dynamic KV cache, GQA/MQA, ``scaling``, ``sliding_window`` and ``softcap`` keyword arguments
+  (Mistral, Gemma 2 style);
+* masks: none (causal from ``module.is_causal`` when there is more than one query), a 2-D
+  padding mask ``[batch, kv_len]``, or a 4-D mask that is exactly "causal (if the module is) and
+  a contiguous range of valid keys per row" (plus the sliding window) — left or right padding.
+  Other 4-D masks (custom patterns, per-head masks) are rejected;
+* packed sequences when transformers passes FlashAttention-2 style ``cu_seq_lens_q`` /
+  ``cu_seq_lens_k`` keyword arguments (batch size 1).
+
+Without padding, the key/value tensors ``[batch, num_kv_heads, kv_len, head_dim]`` are used in
+place as an HND paged cache with one page per sequence: no copy and no host synchronisation,
+and the plan is cached across layers. With padding, the valid rows are gathered into a ragged
+batch (one host read of the mask per forward, cached across layers) and scattered back; padded
+query rows get zeros.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from collections import OrderedDict
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .. import _capi
+from .._capi import Plan, check, kDLCPU, kDLCUDA
+from .._common import attention_options, paged_kv
+from .._dlpack import to_dl
+from ..attention import varlen_attention
+
+__all__ = ["register", "tessera_attention_forward", "ATTENTION_NAME"]
+
+ATTENTION_NAME = "tessera"
+_I32P = ctypes.POINTER(ctypes.c_int32)
+_MAX_PLANS = 32
+
+
+def register(name: str = ATTENTION_NAME) -> str:
+    """Registers the backend under ``name`` in transformers' ``AttentionInterface`` (and, where
+    transformers has one, a mask function in ``AttentionMaskInterface`` that hands the attention
+    the 2-D padding mask, or None without padding). Returns ``name``."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        try:  # transformers 4.48 / 4.49: a plain dict
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        except ImportError as error:
+            raise ImportError("tessera.integrations.transformers needs transformers >= 4.48 "
+                              "(AttentionInterface / ALL_ATTENTION_FUNCTIONS)") from error
+        ALL_ATTENTION_FUNCTIONS[name] = tessera_attention_forward
+    else:
+        AttentionInterface.register(name, tessera_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError:
+        return name  # transformers < 4.53 builds 4-D masks, which the backend converts
+    try:
+        from transformers.masking_utils import flash_attention_mask as mask_function
+    except ImportError:
+        mask_function = _padding_mask
+    AttentionMaskInterface.register(name, mask_function)
+    return name
+
+
+def _padding_mask(*args: Any, attention_mask: Optional[Any] = None,
+                  kv_length: Optional[int] = None, **kwargs: Any) -> Optional[Any]:
+    """The 2-D boolean padding mask sliced to the last ``kv_length`` keys, or None without
+    padding (the form FlashAttention-2's mask function produces)."""
+    if attention_mask is None:
+        return None
+    if kv_length is not None:
+        attention_mask = attention_mask[:, -kv_length:]
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# mask analysis
+
+
+class _MaskCache:
+    """The key ranges of the last mask seen (one host read per forward, shared by the layers).
+    Keyed by the tensor object (weakly) and its version counter, so an in-place change or a new
+    mask at the same address is never mistaken for the cached one."""
+
+    def __init__(self) -> None:
+        self.ref: Optional[weakref.ReferenceType] = None
+        self.key: Tuple = ()
+        self.value: Optional[Tuple[np.ndarray, np.ndarray]] = None
+
+    def get(self, mask: Any, key: Tuple):
+        if self.ref is not None and self.ref() is mask and self.key == key:
+            return True, self.value
+        return False, None
+
+    def put(self, mask: Any, key: Tuple, value) -> None:
+        self.ref = weakref.ref(mask)
+        self.key = key
+        self.value = value
+
+
+_MASK_CACHE = _MaskCache()
+
+
+def _key_ranges(torch: Any, valid: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For a boolean [B, S] tensor: (count, first, end) per row on the host (one transfer)."""
+    length = valid.shape[-1]
+    positions = torch.arange(length, device=valid.device)
+    count = valid.sum(dim=-1)
+    first = torch.where(valid, positions, length).amin(dim=-1)
+    end = torch.where(valid, positions + 1, 0).amax(dim=-1)
+    stats = torch.stack([count, first, end]).to("cpu").numpy()
+    return stats[0], stats[1], stats[2]
+
+
+def _valid_ranges(torch: Any, attention_mask: Any, batch: int, seqlen_q: int, seqlen_kv: int,
+                  causal: bool, window_left: int) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """None when every key is valid (plain causal / full attention), else per-row valid key
+    ranges [start, end). Raises ValueError for masks that are not causal (+ sliding window) with
+    contiguous padding."""
+    if attention_mask is None:
+        return None
+    key = (tuple(attention_mask.shape), attention_mask.dtype, attention_mask._version,
+           seqlen_q, seqlen_kv, causal, window_left)
+    hit, value = _MASK_CACHE.get(attention_mask, key)
+    if hit:
+        return value
+    mask = attention_mask
+    if mask.dim() == 2:
+        if mask.shape[0] != batch or mask.shape[1] < seqlen_kv:
+            raise ValueError(f"'attention_mask': expected a 2-D padding mask [{batch}, >= "
+                             f"{seqlen_kv}], got {list(mask.shape)}")
+        valid = mask[:, -seqlen_kv:].bool()
+        count, first, end = _key_ranges(torch, valid)
+        check_pattern = None
+    elif mask.dim() == 4:
+        if mask.shape[0] != batch or mask.shape[1] != 1 or mask.shape[2] != seqlen_q:
+            raise ValueError(
+                f"'attention_mask': expected a 4-D mask [{batch}, 1, {seqlen_q}, kv_len], got "
+                f"{list(mask.shape)} (per-head masks are not supported by the tessera backend)")
+        if mask.shape[3] < seqlen_kv:
+            raise ValueError(f"'attention_mask': its last dimension {mask.shape[3]} is shorter "
+                             f"than the {seqlen_kv} keys")
+        mask = mask[:, 0, :, :seqlen_kv]  # as eager attention slices it
+        visible = mask if mask.dtype == torch.bool else mask == 0
+        # Keys some query sees: with causal + window + padding, a contiguous range per row.
+        count, first, end = _key_ranges(torch, visible.any(dim=1))
+        check_pattern = visible
+    else:
+        raise ValueError(f"'attention_mask': expected None, a 2-D padding mask or a 4-D mask, got "
+                         f"{mask.dim()} dimensions")
+    count = count.astype(np.int64)
+    empty = count == 0
+    start = np.where(empty, 0, first).astype(np.int64)
+    stop = np.where(empty, 0, end).astype(np.int64)
+    if (stop - start != count).any():
+        raise ValueError("'attention_mask': the valid keys of a row are not contiguous; the "
+                         "tessera backend supports causal masks with left or right padding only")
+    if check_pattern is not None:
+        device = check_pattern.device
+        positions = torch.arange(seqlen_kv, device=device)
+        start_t = torch.from_numpy(start).to(device)[:, None, None]
+        stop_t = torch.from_numpy(stop).to(device)[:, None, None]
+        expected = (positions >= start_t) & (positions < stop_t)
+        rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_kv - seqlen_q)
+        if causal:
+            expected = expected & (positions[None, :] <= rows)[None]
+        if window_left >= 0:
+            expected = expected & (positions[None, :] >= rows - window_left)[None]
+        if not bool((expected == check_pattern).all()):
+            raise ValueError(
+                "'attention_mask': this 4-D mask is not a "
+                + ("causal " if causal else "")
+                + "mask with contiguous padding; arbitrary masks are not supported by the tessera "
+                "backend (use attn_implementation='sdpa' for them)")
+    if (start == 0).all() and (stop == seqlen_kv).all():
+        value = None
+    else:
+        value = (start, stop)
+    _MASK_CACHE.put(attention_mask, key, value)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# the dense (no padding) path: K/V used in place as an HND cache with one page per sequence
+
+
+class _DensePlan:
+    __slots__ = ("plan", "decode", "tensors", "dls")
+
+    def __init__(self, plan: Plan, decode: bool, tensors: Tuple, dls: Tuple) -> None:
+        self.plan = plan
+        self.decode = decode
+        self.tensors = tensors  # device index arrays (kept alive)
+        self.dls = dls  # (page_indptr, page_indices, last_page_len, qo_indptr or None)
+
+
+_PLANS: "OrderedDict[Tuple, _DensePlan]" = OrderedDict()
+
+
+def _device_of(tensor: Any) -> Tuple[int, int]:
+    if tensor.device.type == "cuda":
+        index = tensor.device.index
+        return kDLCUDA, (0 if index is None else index)
+    return kDLCPU, 0
+
+
+def _dense_plan(torch: Any, device: Any, batch: int, seqlen_q: int, seqlen_kv: int, heads: int,
+                kv_heads: int, dim: int, options: _capi.AttentionOptions) -> _DensePlan:
+    key = (str(device), batch, seqlen_q, seqlen_kv, heads, kv_heads, dim, options.causal,
+           options.window_left, options.logits_soft_cap, options.sm_scale)
+    entry = _PLANS.get(key)
+    if entry is not None:
+        _PLANS.move_to_end(key)
+        return entry
+    device_type, device_id = (kDLCUDA, device.index or 0) if device.type == "cuda" else (kDLCPU, 0)
+    page_indptr = np.arange(batch + 1, dtype=np.int32)
+    last_page_len = np.full(batch, seqlen_kv, np.int32)
+    handle = ctypes.c_void_p()
+    library = _capi.lib()
+    decode = seqlen_q <= 64
+    qo_indptr = None
+    if decode:
+        check(library.tessera_plan_decode(
+            page_indptr.ctypes.data_as(_I32P), last_page_len.ctypes.data_as(_I32P), batch,
+            seqlen_kv, heads, kv_heads, dim, seqlen_q, ctypes.byref(options), device_type,
+            device_id, ctypes.byref(handle)))
+    else:
+        qo_indptr = (np.arange(batch + 1, dtype=np.int64) * seqlen_q).astype(np.int32)
+        check(library.tessera_plan_paged_prefill(
+            qo_indptr.ctypes.data_as(_I32P), page_indptr.ctypes.data_as(_I32P),
+            last_page_len.ctypes.data_as(_I32P), batch, seqlen_kv, heads, kv_heads, dim,
+            ctypes.byref(options), device_type, device_id, ctypes.byref(handle)))
+    plan = Plan(handle)
+    host = [page_indptr, page_indptr[:-1].copy(), last_page_len]
+    if qo_indptr is not None:
+        host.append(qo_indptr)
+    tensors = tuple(torch.from_numpy(values).to(device) for values in host)
+    dls = tuple(to_dl(tensor, "index") for tensor in tensors)
+    if qo_indptr is None:
+        dls = dls + (None,)
+    entry = _DensePlan(plan, decode, tensors, dls)
+    _PLANS[key] = entry
+    while len(_PLANS) > _MAX_PLANS:
+        _PLANS.popitem(last=False)
+    return entry
+
+
+def _stream(torch: Any, tensor: Any) -> Optional[ctypes.c_void_p]:
+    if tensor.device.type != "cuda":
+        return None
+    stream = torch.cuda.current_stream(tensor.device).cuda_stream
+    return ctypes.c_void_p(stream) if stream else None
+
+
+def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
+                     options: _capi.AttentionOptions) -> Any:
+    batch, heads, seqlen_q, dim = query.shape
+    kv_heads, seqlen_kv = key.shape[1], key.shape[2]
+    entry = _dense_plan(torch, query.device, batch, seqlen_q, seqlen_kv, heads, kv_heads, dim,
+                        options)
+    q_rows = query.transpose(1, 2)
+    if q_rows.stride(-1) != 1:
+        q_rows = q_rows.contiguous()
+    q_rows = q_rows.reshape(batch * seqlen_q, heads, dim)
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    out = torch.empty((batch, seqlen_q, heads, dim), dtype=query.dtype, device=query.device)
+    workspace_bytes = entry.plan.workspace_bytes
+    workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=query.device)
+    q_dl = to_dl(q_rows, "query")
+    o_dl = to_dl(out.view(batch * seqlen_q, heads, dim), "out", writable=True)
+    page_indptr, page_indices, last_page_len, qo_indptr = entry.dls
+    kv = paged_kv(to_dl(key, "key"), to_dl(value, "value"), page_indptr, page_indices,
+                  last_page_len, _capi.TESSERA_KV_LAYOUT_HND)
+    library = _capi.lib()
+    stream = _stream(torch, query)
+    if entry.decode:
+        check(library.tessera_run_decode(entry.plan.handle, ctypes.byref(q_dl), ctypes.byref(kv),
+                                         ctypes.byref(o_dl), None, workspace.data_ptr(),
+                                         workspace_bytes, stream))
+    else:
+        check(library.tessera_run_paged_prefill(
+            entry.plan.handle, ctypes.byref(q_dl), ctypes.byref(kv), ctypes.byref(qo_indptr),
+            ctypes.byref(o_dl), None, workspace.data_ptr(), workspace_bytes, stream))
+    return out
+
+
+def _padded_attention(torch: Any, query: Any, key: Any, value: Any, ranges, causal: bool,
+                      window_left: int, softcap: float, scaling: Optional[float]) -> Any:
+    batch, heads, seqlen_q, dim = query.shape
+    kv_heads, seqlen_kv = key.shape[1], key.shape[2]
+    start, stop = ranges
+    offset = seqlen_kv - seqlen_q  # query i sits at key position offset + i
+    q_first = np.clip(start - offset, 0, seqlen_q)
+    q_last = np.clip(stop - offset, 0, seqlen_q)
+    q_last = np.maximum(q_last, q_first)
+    q_index = np.concatenate([b * seqlen_q + np.arange(q_first[b], q_last[b])
+                              for b in range(batch)]).astype(np.int64)
+    k_index = np.concatenate([b * seqlen_kv + np.arange(start[b], stop[b])
+                              for b in range(batch)]).astype(np.int64)
+    q_lens = (q_last - q_first).astype(np.int64)
+    kv_lens = (stop - start).astype(np.int64)
+    cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    device = query.device
+    q_index_t = torch.from_numpy(q_index).to(device)
+    k_index_t = torch.from_numpy(k_index).to(device)
+    q_rows = query.transpose(1, 2).reshape(batch * seqlen_q, heads, dim).index_select(0, q_index_t)
+    k_rows = key.transpose(1, 2).reshape(batch * seqlen_kv, kv_heads, dim).index_select(0,
+                                                                                     k_index_t)
+    v_rows = value.transpose(1, 2).reshape(batch * seqlen_kv, kv_heads, dim).index_select(
+        0, k_index_t)
+    packed = varlen_attention(q_rows, k_rows, v_rows, cu_q, cu_k, softmax_scale=scaling,
+                              causal=causal, window_size=(window_left, -1), softcap=softcap)
+    out = torch.zeros((batch * seqlen_q, heads, dim), dtype=query.dtype, device=device)
+    out.index_copy_(0, q_index_t, packed)
+    return out.view(batch, seqlen_q, heads, dim)
+
+
+def tessera_attention_forward(module: Any, query: Any, key: Any, value: Any,
+                              attention_mask: Optional[Any], scaling: Optional[float] = None,
+                              dropout: float = 0.0, **kwargs: Any) -> Tuple[Any, None]:
+    """The ``AttentionInterface`` function: ``query`` ``[B, H, S_q, D]``, ``key``/``value``
+    ``[B, H_kv, S_kv, D]`` -> ``(attn_output [B, S_q, H, D], None)``."""
+    import torch
+
+    if dropout and getattr(module, "training", False):
+        raise ValueError("'dropout': the tessera backend is for inference (dropout must be 0)")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError("'s_aux': attention sinks are not supported by the tessera backend")
+    if kwargs.get("output_attentions"):
+        raise ValueError("'output_attentions': the tessera backend does not return attention "
+                         "weights (use attn_implementation='eager')")
+    batch, heads, seqlen_q, dim = query.shape
+    if key.dim() != 4 or key.shape[0] != batch or key.shape[3] != dim:
+        raise ValueError(f"'key': expected [{batch}, num_kv_heads, kv_len, {dim}], got "
+                         f"{list(key.shape)}")
+    seqlen_kv = key.shape[2]
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(is_causal) and seqlen_q > 1
+    sliding_window = kwargs.get("sliding_window")
+    window_left = -1 if not sliding_window else int(sliding_window) - 1
+    softcap = float(kwargs.get("softcap") or 0.0)
+    cu_seqlens_q, cu_seqlens_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_seqlens_q is not None and cu_seqlens_k is not None:
+        # Packed sequences (FlashAttention-2 style kwargs from transformers): one ragged batch.
+        if batch != 1:
+            raise ValueError("'cu_seq_lens_q': packed sequences need batch size 1")
+        kv_heads = key.shape[1]
+        out = varlen_attention(
+            query.transpose(1, 2).reshape(seqlen_q, heads, dim),
+            key.transpose(1, 2).reshape(seqlen_kv, kv_heads, dim),
+            value.transpose(1, 2).reshape(seqlen_kv, kv_heads, dim),
+            cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), softmax_scale=scaling,
+            causal=bool(is_causal), window_size=(window_left, -1), softcap=softcap)
+        return out.view(batch, seqlen_q, heads, dim), None
+    ranges = _valid_ranges(torch, attention_mask, batch, seqlen_q, seqlen_kv, causal, window_left)
+    if ranges is None:
+        options = attention_options(causal, window_left, -1, softcap, scaling)
+        out = _dense_attention(torch, query, key, value, options)
+    else:
+        out = _padded_attention(torch, query, key, value, ranges, causal, window_left, softcap,
+                                scaling)
+    return out, None

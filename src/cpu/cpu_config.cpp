@@ -1,0 +1,63 @@
+// Process-wide settings of the CPU backend: which implementation serves CPU calls and how many
+// threads the fast path uses.
+#include <atomic>
+#include <cstdlib>
+#include <string>
+
+#include "cpu/cpu_info.hpp"
+#include "tessera/backend.hpp"
+
+namespace tessera {
+namespace {
+
+// 0 means "not set by set_num_threads": the default below applies.
+std::atomic<int> g_num_threads{0};
+std::atomic<CpuImpl> g_cpu_impl{CpuImpl::kFast};
+
+// TESSERA_NUM_THREADS wins over the CPU count (the process's affinity mask) so a deployment can
+// leave cores to the serving framework; an unparsable or non-positive value is ignored.
+int default_num_threads() {
+  static const int threads = [] {
+    if (const char* env = std::getenv("TESSERA_NUM_THREADS")) {
+      char* end = nullptr;
+      const long value = std::strtol(env, &end, 10);
+      if (end != env && *end == '\0' && value >= 1 && value <= 4096) {
+        return static_cast<int>(value);
+      }
+    }
+    return detail::usable_logical_cpus();
+  }();
+  return threads;
+}
+
+}  // namespace
+
+void set_cpu_impl(CpuImpl impl) {
+  if (impl != CpuImpl::kFast && impl != CpuImpl::kReference) {
+    throw Error(Error::Kind::kInvalidArgument,
+                "set_cpu_impl: impl must be CpuImpl::kFast or CpuImpl::kReference, got " +
+                    std::to_string(static_cast<int>(impl)));
+  }
+  g_cpu_impl.store(impl, std::memory_order_relaxed);
+}
+
+CpuImpl cpu_impl() {
+  return g_cpu_impl.load(std::memory_order_relaxed);
+}
+
+// threads >= 1 pins the count; 0 restores the default (TESSERA_NUM_THREADS or hardware count).
+void set_num_threads(int threads) {
+  if (threads < 0) {
+    throw Error(Error::Kind::kInvalidArgument,
+                "set_num_threads: threads must be >= 1 (or 0 for the default), got " +
+                    std::to_string(threads));
+  }
+  g_num_threads.store(threads, std::memory_order_relaxed);
+}
+
+int num_threads() {
+  const int threads = g_num_threads.load(std::memory_order_relaxed);
+  return threads > 0 ? threads : default_num_threads();
+}
+
+}  // namespace tessera
