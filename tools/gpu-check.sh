@@ -4,7 +4,8 @@
 # Runs every test binary (GPU tests included), the reduced GPU set under compute-sanitizer
 # (memcheck, racecheck, synccheck, initcheck), `tessera bench` (JSON) and the side-by-side
 # comparison with torch SDPA, writing logs into OUT_DIR (at most 8 files).
-# Environment: TESSERA_SKIP_SANITIZER=1, TESSERA_SKIP_BENCH=1, TESSERA_BENCH_ARGS.
+# Environment: TESSERA_SKIP_SANITIZER=1, TESSERA_SKIP_BENCH=1, TESSERA_SKIP_PYTHON=1,
+# TESSERA_BENCH_ARGS. Files: tests.log, sanitizer.log, bench.log/json, compare.log/json, python.log.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
@@ -14,10 +15,9 @@ status=0
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   "$build/tessera" info
-} >"$out/device.txt" 2>&1
+} >"$out/tests.log" 2>&1
 
 # 1. Every test binary (CPU and GPU), one log.
-: >"$out/tests.log"
 for test in "$build"/tests/test_*; do
   [ -x "$test" ] || continue
   echo "=== $(basename "$test")" >>"$out/tests.log"
@@ -54,5 +54,14 @@ if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 python3 "$root/bench/compare.py" "$out/bench.json" \
     --out "$out/compare.json" >"$out/compare.log" 2>&1 || status=1
   cat "$out/compare.log"
+fi
+
+# 4. The Python package's tests (torch, torch.compile, CUDA graphs, transformers) against the
+#    library of this build.
+if [ "${TESSERA_SKIP_PYTHON:-0}" != 1 ]; then
+  TESSERA_LIBRARY="$(cd "$build" && pwd)/libtessera.so" PYTHONPATH="$root/python" \
+    PYTHONUNBUFFERED=1 python3 -m pytest -q -p no:cacheprovider "$root/tests/python" \
+    >"$out/python.log" 2>&1 || status=1
+  tail -15 "$out/python.log"
 fi
 exit $status

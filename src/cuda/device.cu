@@ -85,8 +85,10 @@ PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, 
   // A CTA tile holds BLOCK_M packed rows; a query-head group larger than that still gets whole
   // tokens per work item (the planner needs q_tile_rows >= group) and the kernel walks such an
   // item in several CTA tiles.
+  // BLOCK_M of the kernel variant that run() will launch (TESSERA_PREFILL_VARIANT).
   config.q_tile_rows =
-      std::max(sm80::prefill_block_m(bucket), num_qo_heads / std::max(num_kv_heads, 1));
+      std::max(kernel != nullptr ? kernel->block_m : sm80::prefill_block_m(bucket),
+               num_qo_heads / std::max(num_kv_heads, 1));
   // One persistent CTA per resident slot: the grid fills the GPU exactly once.
   config.num_workers = info.num_sms * std::max(ctas_per_sm, 1);
   config.split_kv = true;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <numbers>
 #include <string>
 
@@ -28,6 +29,30 @@ constexpr int32_t kDecodeMinKvChunk = 512;
 // Kernel variant that represents the device in the planner's worker count.
 constexpr int kPlanningRowsPerThread = 4;
 
+// Kernel family, read once from TESSERA_DECODE_VARIANT (for timing the variants side by side):
+//   0: CUDA-core kernel (decode_kernel.cuh) for everything;
+//   1: tensor-core kernel (decode_mma.cuh), 4 warps x 16 keys per tile, 3 stages (default);
+//   2: tensor-core kernel, 4 warps, 4 stages (d128 bf16: 1 CTA/SM, 96 KiB in flight);
+//   3: tensor-core kernel, 2 warps x 16 keys per tile, 6 stages.
+// The tensor-core kernel covers q = K/V dtype (fp16/bf16), 16-byte-aligned K/V rows and items of
+// <= 16 packed rows (d256: <= 8); anything else runs the CUDA-core kernel whatever the variant.
+constexpr int kDefaultDecodeVariant = 1;
+constexpr int kMaxDecodeVariant = 3;
+
+int decode_variant() {
+  static const int variant = [] {
+    const char* text = std::getenv("TESSERA_DECODE_VARIANT");
+    if (text == nullptr || *text == '\0') return kDefaultDecodeVariant;
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    if (end == text || *end != '\0' || value < 0 || value > kMaxDecodeVariant) {
+      return kDefaultDecodeVariant;
+    }
+    return static_cast<int>(value);
+  }();
+  return variant;
+}
+
 int decode_head_dim_bucket(int head_dim) {
   if (head_dim <= 0 || head_dim % 8 != 0) return 0;
   if (head_dim <= 64) return 64;
@@ -42,6 +67,21 @@ const sm80::DecodeKernel* find_decode_kernel(int head_dim, DType q_dtype, DType 
     case 64: return sm80::decode_kernel_d64(q_dtype, kv_dtype, rows_per_thread);
     case 128: return sm80::decode_kernel_d128(q_dtype, kv_dtype, rows_per_thread);
     case 256: return sm80::decode_kernel_d256(q_dtype, kv_dtype, rows_per_thread);
+    default: return nullptr;
+  }
+}
+
+// The tensor-core kernel for items of `rows` packed rows, or nullptr (variant 0, fp8 K/V, more
+// rows than it holds, no instantiation).
+const sm80::DecodeKernel* find_decode_mma_kernel(int head_dim, DType q_dtype, DType kv_dtype,
+                                                 int rows) {
+  const int variant = decode_variant();
+  if (variant == 0 || rows > 16 || q_dtype != kv_dtype) return nullptr;
+  const bool full_rows = rows > 8;
+  switch (decode_head_dim_bucket(head_dim)) {
+    case 64: return sm80::decode_mma_kernel_d64(q_dtype, kv_dtype, full_rows, variant);
+    case 128: return sm80::decode_mma_kernel_d128(q_dtype, kv_dtype, full_rows, variant);
+    case 256: return sm80::decode_mma_kernel_d256(q_dtype, kv_dtype, full_rows, variant);
     default: return nullptr;
   }
 }
@@ -99,8 +139,13 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
   const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
   config.q_tile_rows = std::max(kDecodeTileRows, group);
   const sm80::DecodeKernel* kernel =
-      find_decode_kernel(head_dim, DType::kBFloat16, DType::kBFloat16, kPlanningRowsPerThread);
-  const int ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
+      find_decode_mma_kernel(head_dim, DType::kBFloat16, DType::kBFloat16, group);
+  int ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
+  if (ctas_per_sm <= 0) {
+    kernel =
+        find_decode_kernel(head_dim, DType::kBFloat16, DType::kBFloat16, kPlanningRowsPerThread);
+    ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
+  }
   config.num_workers = std::max(1, info.num_sms) * std::max(1, ctas_per_sm);
   config.split_kv = true;
   config.min_kv_chunk = kDecodeMinKvChunk;
@@ -118,15 +163,23 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
   const int group = problem.num_qo_heads / problem.num_kv_heads;
   const int tokens_per_item = std::max(1, plan.config.q_tile_rows / group);
   const int item_rows = std::min(problem.q_per_request, tokens_per_item) * group;
-  const sm80::DecodeKernel* kernel = find_decode_kernel(
-      problem.head_dim, problem.q_dtype, problem.kv.dtype, rows_per_thread_for(item_rows));
+  const CudaDeviceInfo& info = cuda_device_info(plan.device.index);
+  const int32_t copy_granularity = kv_copy_granularity(problem.kv);
+  const sm80::DecodeKernel* kernel = nullptr;
+  if (copy_granularity == 16) {
+    kernel = find_decode_mma_kernel(problem.head_dim, problem.q_dtype, problem.kv.dtype, item_rows);
+    if (kernel != nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) kernel = nullptr;
+  }
+  if (kernel == nullptr) {
+    kernel = find_decode_kernel(problem.head_dim, problem.q_dtype, problem.kv.dtype,
+                                rows_per_thread_for(item_rows));
+  }
   if (kernel == nullptr) {
     unsupported(std::string("no CUDA decode kernel for head_dim ") +
                 std::to_string(problem.head_dim) + ", q " + name_of(problem.q_dtype) + ", K/V " +
                 name_of(problem.kv.dtype) +
                 " (supported: head_dim a multiple of 8 up to 256; q fp16/bf16; K/V as q or fp8)");
   }
-  const CudaDeviceInfo& info = cuda_device_info(plan.device.index);
   if (info.sm_major < 8) {  // cp.async and the bf16 conversions are sm_80+
     unsupported("CUDA decode needs compute capability 8.0 or newer; device " + info.name +
                 " is sm_" + std::to_string(info.sm_major) + std::to_string(info.sm_minor));
@@ -166,7 +219,7 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
     args.q_scale = problem.sm_scale * k_scale * kLog2e;
   }
   args.output_scale = v_scale;
-  args.copy_granularity = kv_copy_granularity(problem.kv);
+  args.copy_granularity = copy_granularity;
   kernel->launch(args, stream);
 
   // Split-KV pieces wrote float partials: combine them into o / lse (same stream, so after the

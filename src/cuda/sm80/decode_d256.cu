@@ -3,11 +3,17 @@
 // slot. One translation unit per head_dim so the build parallelises; shapes are in
 // decode_traits.cuh.
 #include "cuda/sm80/decode_kernel.cuh"
+#include "cuda/sm80/decode_mma.cuh"
 
 namespace tessera::detail::sm80 {
 
 const DecodeKernel* decode_kernel_d256(DType q_dtype, DType kv_dtype, int rows_per_thread) {
   return select_decode_kernel<256>(q_dtype, kv_dtype, rows_per_thread);
+}
+
+const DecodeKernel* decode_mma_kernel_d256(DType q_dtype, DType kv_dtype, bool full_rows,
+                                           int variant) {
+  return select_decode_mma_kernel<256>(q_dtype, kv_dtype, full_rows, variant);
 }
 
 }  // namespace tessera::detail::sm80

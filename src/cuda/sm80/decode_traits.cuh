@@ -153,4 +153,14 @@ const DecodeKernel* decode_kernel_d64(DType q_dtype, DType kv_dtype, int rows_pe
 const DecodeKernel* decode_kernel_d128(DType q_dtype, DType kv_dtype, int rows_per_thread);
 const DecodeKernel* decode_kernel_d256(DType q_dtype, DType kv_dtype, int rows_per_thread);
 
+// Tensor-core kernels (decode_mma.cuh) per head_dim bucket: q_dtype == kv_dtype (fp16/bf16),
+// items of <= 8 packed rows (full_rows false) or <= 16 (full_rows true); d256 returns nullptr;
+// variant 1..3 picks (warps, stages) = (4, 3), (4, 4), (2, 6). nullptr when not instantiated.
+const DecodeKernel* decode_mma_kernel_d64(DType q_dtype, DType kv_dtype, bool full_rows,
+                                          int variant);
+const DecodeKernel* decode_mma_kernel_d128(DType q_dtype, DType kv_dtype, bool full_rows,
+                                           int variant);
+const DecodeKernel* decode_mma_kernel_d256(DType q_dtype, DType kv_dtype, bool full_rows,
+                                           int variant);
+
 }  // namespace tessera::detail::sm80

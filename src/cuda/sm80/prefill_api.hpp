@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/problem.hpp"
 #include "tessera/attention.hpp"
@@ -53,6 +54,28 @@ constexpr int prefill_head_dim_bucket(int head_dim) {
   if (head_dim <= 256) return 256;
   return 0;
 }
+
+// Tile-shape variant of the prefill kernels (0 = default; 1, 2 = tuning candidates, see
+// PrefillVariantTraits in prefill_traits.cuh), from the environment variable
+// TESSERA_PREFILL_VARIANT, read once per process. Unknown values select 0. The planner
+// (cuda_plan_config) and the launcher both go through find_prefill_kernel, so they always agree
+// on the variant and on its BLOCK_M.
+// Unset: -1, meaning each head_dim's measured default (kDefaultPrefillVariant).
+inline int prefill_variant() {
+  static const int variant = [] {
+    const char* env = std::getenv("TESSERA_PREFILL_VARIANT");
+    if (env == nullptr || *env == '\0') return -1;
+    const int value = std::atoi(env);
+    return value >= 0 && value <= 2 ? value : 0;
+  }();
+  return variant;
+}
+
+// The variant each head_dim runs by default, from the side-by-side timing on the H200
+// (docs/PERF.md, "v2"): 128x128 tiles win at d64 (+7%), 128x64 tiles with 8 warps at d256
+// (+3%), and d128 keeps its original 128x64 / 4-warp tile.
+template <int kHeadDim>
+inline constexpr int kDefaultPrefillVariant = kHeadDim == 128 ? 0 : 1;
 
 // Per-bucket tables, one per translation unit (prefill_d64.cu, prefill_d128.cu, prefill_d256.cu).
 // `dtype` is the q/k/v dtype (fp16 or bf16); nullptr for any other dtype.

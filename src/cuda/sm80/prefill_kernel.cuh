@@ -150,9 +150,26 @@ __device__ __forceinline__ void online_softmax(
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float new_max = state.row_max[m][h];
+      if constexpr (Traits::kTreeReduce) {
+        // Pairwise tree: log2(kScoreCols) dependent FMNMX instead of a kScoreCols-long chain.
+        float partial[Traits::kScoreCols];
 #pragma unroll
-      for (int n = 0; n < Traits::kScoreCols; ++n) {
-        new_max = fmaxf(new_max, fmaxf(acc_s[m][n][2 * h], acc_s[m][n][2 * h + 1]));
+        for (int n = 0; n < Traits::kScoreCols; ++n) {
+          partial[n] = fmaxf(acc_s[m][n][2 * h], acc_s[m][n][2 * h + 1]);
+        }
+#pragma unroll
+        for (int stride = 1; stride < Traits::kScoreCols; stride *= 2) {
+#pragma unroll
+          for (int n = 0; n + stride < Traits::kScoreCols; n += 2 * stride) {
+            partial[n] = fmaxf(partial[n], partial[n + stride]);
+          }
+        }
+        new_max = fmaxf(new_max, partial[0]);
+      } else {
+#pragma unroll
+        for (int n = 0; n < Traits::kScoreCols; ++n) {
+          new_max = fmaxf(new_max, fmaxf(acc_s[m][n][2 * h], acc_s[m][n][2 * h + 1]));
+        }
       }
       new_max = ptx::quad_max(new_max);
       // A row that has seen only masked keys keeps max = -inf; using 0 as the exponent base
@@ -171,7 +188,28 @@ __device__ __forceinline__ void online_softmax(
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
           acc_s[m][n][e] = ptx::ex2_approx(fmaf(acc_s[m][n][e], scale, -base));
-          sum += acc_s[m][n][e];
+        }
+      }
+      if constexpr (Traits::kTreeReduce) {
+        // Same pairwise tree for the sum (reassociated: rounding differs in the last bits).
+        float partial[Traits::kScoreCols];
+#pragma unroll
+        for (int n = 0; n < Traits::kScoreCols; ++n) {
+          partial[n] = acc_s[m][n][2 * h] + acc_s[m][n][2 * h + 1];
+        }
+#pragma unroll
+        for (int stride = 1; stride < Traits::kScoreCols; stride *= 2) {
+#pragma unroll
+          for (int n = 0; n + stride < Traits::kScoreCols; n += 2 * stride) {
+            partial[n] += partial[n + stride];
+          }
+        }
+        sum += partial[0];
+      } else {
+#pragma unroll
+        for (int n = 0; n < Traits::kScoreCols; ++n) {
+          sum += acc_s[m][n][2 * h];
+          sum += acc_s[m][n][2 * h + 1];
         }
       }
       state.row_sum[m][h] = sum;
@@ -332,6 +370,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, Traits::kMinCtasPerSm)
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // cp.async and bf16 mma need sm_80; the launcher never targets older devices
 #else
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (Traits::kNeedsSm90) {
+    __trap();  // never selected below sm_90 (select_prefill_variant)
+    return;
+  }
+#endif
   extern __shared__ __align__(128) unsigned char prefill_smem[];
   const int worker = blockIdx.x;
   const int32_t work_begin = args.worker_indptr[worker];
@@ -355,9 +399,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, Traits::kMinCtasPerSm)
 
 template <class Traits, DType kDType, bool kSoftCap>
 const char* prefill_kernel_name() {
-  static const std::string name = "tessera::sm80::prefill<d" + std::to_string(Traits::kHeadDim) +
-                                  ", " + ElementOps<kDType>::kName +
-                                  (kSoftCap ? ", soft_cap>" : ">");
+  static const std::string name =
+      "tessera::sm80::prefill<d" + std::to_string(Traits::kHeadDim) + ", " +
+      ElementOps<kDType>::kName + (kSoftCap ? ", soft_cap" : "") +
+      (Traits::kVariant == 0
+           ? std::string(">")
+           : ", v" + std::to_string(Traits::kVariant) + " " + std::to_string(Traits::kBlockM) +
+                 "x" + std::to_string(Traits::kBlockN) + "w" +
+                 std::to_string(Traits::kNumWarps) + "s" + std::to_string(Traits::kStages) + ">");
   return name.c_str();
 }
 
@@ -421,15 +470,47 @@ PrefillKernel make_prefill_kernel() {
 // The four kernels of one head_dim bucket (fp16/bf16 x soft-cap off/on).
 template <class Traits>
 const PrefillKernel* select_prefill_kernel(DType dtype, bool soft_cap) {
+  using SoftCapTraits = typename PrefillSoftCapTraits<Traits>::type;
+  static_assert(SoftCapTraits::kBlockM == Traits::kBlockM &&
+                    SoftCapTraits::kBlockN == Traits::kBlockN,
+                "the planner sizes work items for both kernels of a pair");
   static const PrefillKernel kernels[2][2] = {
       {make_prefill_kernel<Traits, DType::kFloat16, false>(),
-       make_prefill_kernel<Traits, DType::kFloat16, true>()},
+       make_prefill_kernel<SoftCapTraits, DType::kFloat16, true>()},
       {make_prefill_kernel<Traits, DType::kBFloat16, false>(),
-       make_prefill_kernel<Traits, DType::kBFloat16, true>()}};
+       make_prefill_kernel<SoftCapTraits, DType::kBFloat16, true>()}};
   switch (dtype) {
     case DType::kFloat16: return &kernels[0][soft_cap ? 1 : 0];
     case DType::kBFloat16: return &kernels[1][soft_cap ? 1 : 0];
     default: return nullptr;
+  }
+}
+
+// Compute capability >= 9.0 for the current device (false when there is none).
+inline bool current_device_is_sm90() {
+  int device = 0;
+  int major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return major >= 9;
+}
+
+// The bucket's kernels for the run-time variant (prefill_variant(), prefill_api.hpp): variant 0
+// is PrefillTraits<kHeadDim>, 1 and 2 are PrefillVariantTraits (prefill_traits.cuh).
+template <int kHeadDim>
+const PrefillKernel* select_prefill_variant(DType dtype, bool soft_cap) {
+  const int chosen = prefill_variant();
+  switch (chosen >= 0 ? chosen : kDefaultPrefillVariant<kHeadDim>) {
+    case 1: return select_prefill_kernel<PrefillVariantTraits<kHeadDim, 1>>(dtype, soft_cap);
+    case 2:
+      if (!PrefillVariantTraits<kHeadDim, 2>::kNeedsSm90 || current_device_is_sm90()) {
+        return select_prefill_kernel<PrefillVariantTraits<kHeadDim, 2>>(dtype, soft_cap);
+      }
+      return select_prefill_kernel<PrefillTraits<kHeadDim>>(dtype, soft_cap);
+    default: return select_prefill_kernel<PrefillTraits<kHeadDim>>(dtype, soft_cap);
   }
 }
 

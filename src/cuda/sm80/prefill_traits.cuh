@@ -52,8 +52,15 @@ struct PrefillKeyOffsets {
 };
 
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNumWarps_, int kStages_,
-          int kMinCtasPerSm_>
+          int kMinCtasPerSm_, int kVariant_ = 0>
 struct PrefillShape {
+  // Run-time selectable variant (TESSERA_PREFILL_VARIANT, prefill_api.hpp); 0 = the default
+  // shapes. Variants > 0 also use the tree reductions of online_softmax (kTreeReduce).
+  static constexpr int kVariant = kVariant_;
+  static constexpr bool kTreeReduce = kVariant_ != 0;
+  // Compiled for sm_90+ only (its sm_80 build would spill); on older devices the variant
+  // selection falls back to variant 0 (select_prefill_variant) and the sm_80 body traps.
+  static constexpr bool kNeedsSm90 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -93,6 +100,7 @@ struct PrefillShape {
       kKeyOffsetsOffset + size_t{kOffsetSlots} * kBlockN * sizeof(PrefillKeyOffsets);
   static constexpr size_t kSmemBytes = kRowInfoOffset + size_t{kBlockM} * sizeof(PrefillRowInfo);
 
+  static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory opt-in of sm_90");
   static_assert(kHeadDim % 64 == 0, "swizzle and loader need rows of 8k chunks");
   static_assert(kWarpRows % 16 == 0 && kMmaRowBlocks >= 1, "a warp owns whole 16-row blocks");
   static_assert(kBlockN % 16 == 0, "P x V consumes keys 16 at a time");
@@ -112,6 +120,50 @@ template <>
 struct PrefillTraits<128> : PrefillShape<128, 128, 64, 4, 1, 1> {};
 template <>
 struct PrefillTraits<256> : PrefillShape<256, 64, 64, 4, 1, 1> {};
+
+// Tuning variants, selected at run time by TESSERA_PREFILL_VARIANT (read once on the host; see
+// prefill_variant() in prefill_api.hpp). Variant 0 is PrefillTraits above. Shapes that need more
+// shared memory than an A100 gives a block are refused by the launcher there (use variant 0).
+//   variant 1: d64  128 x 128, 4 warps x 32 rows, 2 stages (FA2's non-causal d64 tile)
+//              d128 128 x  64, 4 warps x 32 rows, 1 stage  (= variant 0 + tree reductions)
+//              d256 128 x  64, 8 warps x 16 rows, 1 stage  (FA2's Hopper d256 tile, 1 CTA/SM)
+//   variant 2: d64  128 x  64, 8 warps x 16 rows, 2 stages, 2 CTAs/SM (16 warps per SM)
+//              d128 128 x  64, 4 warps x 32 rows, 2 stages (Hopper-class smem, 2 CTAs/SM)
+//              d256 128 x  64, 8 warps x 16 rows, 2 stages (1 CTA/SM)
+// Registers (nvcc 13.0 -Xptxas -v, plain / soft-cap, sm_90a; 0 spills) and smem per CTA:
+//   d64  v1 255/255 88064 B (2 CTAs/SM)   v2 128/128 53248 B (2 CTAs x 8 warps/SM)
+//   d128 v1 253/251 69632 B (2 CTAs/SM)   v2 255/(v1's) 102400 B (2 CTAs/SM on sm_90)
+//   d256 v1 252/255 135168 B (1 CTA/SM)   v2 253/255 200704 B (1 CTA/SM)
+template <int kHeadDim, int kVariant>
+struct PrefillVariantTraits;
+template <>
+struct PrefillVariantTraits<64, 1> : PrefillShape<64, 128, 128, 4, 2, 2, 1> {};
+template <>
+struct PrefillVariantTraits<64, 2> : PrefillShape<64, 128, 64, 8, 2, 2, 2> {};
+template <>
+struct PrefillVariantTraits<128, 1> : PrefillShape<128, 128, 64, 4, 1, 1, 1> {};
+template <>
+struct PrefillVariantTraits<128, 2> : PrefillShape<128, 128, 64, 4, 2, 1, 2> {
+  // sm_80 ptxas spills 120 bytes here, and an A100 SM could not hold 2 of these CTAs anyway.
+  static constexpr bool kNeedsSm90 = true;
+};
+template <>
+struct PrefillVariantTraits<256, 1> : PrefillShape<256, 128, 64, 8, 1, 1, 1> {};
+template <>
+struct PrefillVariantTraits<256, 2> : PrefillShape<256, 128, 64, 8, 2, 1, 2> {};
+
+// Traits of the soft-cap kernel paired with a shape: the same shape, except where the soft-cap
+// math pushes a shape past 255 registers. d128 variant 2 (2 stages) spills 16 bytes with soft-cap
+// on (nvcc 13.0, sm_90a), so its soft-cap kernel is variant 1's (same 128 x 64 tile, 1 stage):
+// BLOCK_M and BLOCK_N, all the planner depends on, are equal.
+template <class Traits>
+struct PrefillSoftCapTraits {
+  using type = Traits;
+};
+template <>
+struct PrefillSoftCapTraits<PrefillVariantTraits<128, 2>> {
+  using type = PrefillVariantTraits<128, 1>;
+};
 
 // Query rows per work item that the planner should use for a head_dim served by these kernels.
 constexpr int prefill_block_m(int head_dim_bucket) {

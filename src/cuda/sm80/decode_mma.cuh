@@ -1,0 +1,530 @@
+// Tensor-core variant of the sm80 batch decode (TESSERA_DECODE_VARIANT >= 1, see decode.cu).
+//
+// Same work items, loader ring, page prefetch and output conventions as decode_kernel.cuh; what
+// changes is the compute, which there costs ~3000 instructions per 16 KiB tile (shuffle
+// reductions per key and row, 8-wide FMA per K/V element and row) and made the kernel
+// issue-bound. Here the packed query rows of an item (<= 8, or <= 16 with kFullRows) are the M
+// dimension of mma.sync m16n8k16 (rows padded with zeros):
+//   * each warp owns 16 keys of every tile (tile = 16 x kWarps keys): S = Q K^T is 2 n-tiles x
+//     head_dim/16 k-steps, K fragments by ldmatrix straight from the ring; O += P V is one k-step
+//     x head_dim/8 n-tiles, V fragments by ldmatrix.trans. ~8x fewer instructions per byte.
+//   * the ring rows are XOR-swizzled (16-byte chunk c of key row r lands at c ^ (r % 8)), so the
+//     8 row addresses of each ldmatrix hit distinct banks;
+//   * online softmax in base 2 per warp (q_scale applied to the fp32 scores, so q stays exact),
+//     row sums kept per lane and reduced once per item, O rescaled only when a warp's max moved;
+//   * at the end of an item the kWarps key partitions are merged in shared memory.
+// Only head_dim <= 128 and K/V of q's dtype (fp16/bf16) with 16-byte-aligned rows; the host
+// falls back to the CUDA-core kernel for d256, fp8, odd views and items of more than 16 rows.
+#pragma once
+
+#include "cuda/ptx/convert.cuh"
+#include "cuda/ptx/ldmatrix.cuh"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/sm80/decode_kernel.cuh"
+
+namespace tessera::detail::sm80 {
+
+template <int kHeadDim_, int kWarps_, int kStagesWanted_, bool kFullRows_>
+struct DecodeMmaTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kKVBytes = 2;
+  static constexpr int kWarps = kWarps_;
+  static constexpr bool kFullRows = kFullRows_;      // rows 8..15 of the m16 tile in use
+  static constexpr int kMaxRows = kFullRows ? 16 : 8;
+  static constexpr int kNumThreads = 32 * kWarps;
+  static constexpr int kKeysPerWarp = 16;
+  static constexpr int kTileKeys = kKeysPerWarp * kWarps;
+  static constexpr int kRowBytes = kHeadDim * kKVBytes;
+  static constexpr int kTileBytes = kTileKeys * kRowBytes;  // one K (and one V) tile of a stage
+  // Stages capped so that one CTA fits the 227 KiB of an sm_90 block (and ~200 KiB budget).
+  static constexpr int kStageCap = (200 * 1024) / (2 * kTileBytes);
+  static constexpr int kStages =
+      kStagesWanted_ < kStageCap ? kStagesWanted_ : (kStageCap < 2 ? 2 : kStageCap);
+  static constexpr int kCopyBytes = 16;
+  static constexpr int kCopiesPerRow = kRowBytes / kCopyBytes;
+  static constexpr int kRowsPerCopyPass = kNumThreads / kCopiesPerRow;
+  static constexpr int kCopyPasses = kTileKeys / kRowsPerCopyPass;
+  static constexpr int kKSteps = kHeadDim / 16;  // k-steps of Q K^T, d-pairs of P V
+  static constexpr int kDTiles = kHeadDim / 8;   // n-tiles of O
+
+  // Shared memory: [K ring][V ring] during the key loop, the partition merge afterwards,
+  // then the key-row offsets.
+  static constexpr size_t kRingBytes = size_t{kStages} * kTileBytes;
+  static constexpr int kMergeStride = kHeadDim + 8;  // floats per merged row (bank spread)
+  static constexpr size_t kMergeOBytes = size_t{kWarps} * kMaxRows * kMergeStride * 4;
+  static constexpr size_t kMergeStatBytes = size_t{kWarps} * kMaxRows * 4;
+  static constexpr size_t kMergeBytes = kMergeOBytes + 2 * kMergeStatBytes;
+  static constexpr size_t kWorkBytes = 2 * kRingBytes > kMergeBytes ? 2 * kRingBytes : kMergeBytes;
+  static constexpr size_t kKRingOffset = 0;
+  static constexpr size_t kVRingOffset = kRingBytes;
+  static constexpr size_t kMergeOOffset = 0;
+  static constexpr size_t kMergeMaxOffset = kMergeOBytes;
+  static constexpr size_t kMergeSumOffset = kMergeOBytes + kMergeStatBytes;
+  static constexpr size_t kKeyOffsetsOffset = (kWorkBytes + 15) / 16 * 16;
+  static constexpr size_t kKeyOffsetsBytes = size_t{kStages} * kTileKeys * 2 * sizeof(int64_t);
+  static constexpr size_t kSmemBytes = kKeyOffsetsOffset + kKeyOffsetsBytes;
+
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "instantiated head_dims");
+  static_assert(kCopiesPerRow >= 8, "the XOR swizzle needs 8 chunks per row");
+  static_assert(kTileKeys % kRowsPerCopyPass == 0, "whole copy passes per tile");
+  static_assert(kTileKeys <= kNumThreads, "one thread prefetches one key row's page");
+};
+
+template <DType kDType>
+struct MmaOps;
+
+template <>
+struct MmaOps<DType::kFloat16> {
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    ptx::mma_m16n8k16_f32_f16(d, a, b0, b1);
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    return ptx::pack_f16x2(lo, hi);
+  }
+};
+
+template <>
+struct MmaOps<DType::kBFloat16> {
+  __device__ __forceinline__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    ptx::mma_m16n8k16_f32_bf16(d, a, b0, b1);
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    return ptx::pack_bf16x2(lo, hi);
+  }
+};
+
+// Copies of one K/V tile into ring stage `stage`, swizzled (chunk c of row r at c ^ (r % 8)).
+// Rows are 16-byte aligned (host check); chunks past the real head_dim are zero-filled.
+template <class Traits>
+__device__ __forceinline__ void issue_tile_copies_swizzled(const DecodeArgs& args,
+                                                           uint8_t* shared,
+                                                           const longlong2* key_offsets,
+                                                           int stage) {
+  const KVSource& kv = args.problem.kv;
+  const auto* k_base = static_cast<const uint8_t*>(kv.k);
+  const auto* v_base = static_cast<const uint8_t*>(kv.v);
+  const int chunk = threadIdx.x % Traits::kCopiesPerRow;
+  const int32_t chunk_byte = chunk * Traits::kCopyBytes;
+  const uint32_t chunk_bytes =
+      chunk_byte < args.problem.head_dim * Traits::kKVBytes ? Traits::kCopyBytes : 0u;
+  const uint32_t k_stage =
+      ptx::shared_address(shared + Traits::kKRingOffset + stage * Traits::kTileBytes);
+  const uint32_t v_stage =
+      ptx::shared_address(shared + Traits::kVRingOffset + stage * Traits::kTileBytes);
+  const longlong2* offsets = key_offsets + stage * Traits::kTileKeys;
+#pragma unroll
+  for (int pass = 0; pass < Traits::kCopyPasses; ++pass) {
+    const int row = threadIdx.x / Traits::kCopiesPerRow + pass * Traits::kRowsPerCopyPass;
+    const longlong2 offset = offsets[row];
+    const uint32_t valid = offset.x >= 0 ? chunk_bytes : 0u;
+    const uint32_t shared_byte =
+        row * Traits::kRowBytes + ((chunk ^ (row & 7)) * Traits::kCopyBytes);
+    const uint8_t* k_src = valid > 0 ? k_base + offset.x * Traits::kKVBytes + chunk_byte : k_base;
+    const uint8_t* v_src = valid > 0 ? v_base + offset.y * Traits::kKVBytes + chunk_byte : v_base;
+    ptx::cp_async_16_partial(k_stage + shared_byte, k_src, valid);
+    ptx::cp_async_16_partial(v_stage + shared_byte, v_src, valid);
+  }
+}
+
+// Per-lane state of one warp's key partition. Lane l holds rows g = l / 4 and g + 8.
+template <class Traits>
+struct MmaWarpState {
+  static constexpr int kRowSets = Traits::kFullRows ? 2 : 1;
+  uint32_t q[Traits::kKSteps][4];  // A fragments of Q (rows g, g + 8), unscaled
+  float o[Traits::kDTiles][4];     // O accumulators (rows g, g + 8; dims 8 d + 2 (l % 4) + {0,1})
+  float max_score[kRowSets];       // running max (base 2, scaled), -inf: none yet
+  float sum_exp[kRowSets];         // this lane's part of the running sum
+  int32_t first_key[kRowSets];
+  int32_t last_key[kRowSets];
+};
+
+template <class Traits, DType kDType>
+__device__ __forceinline__ void mma_load_rows(const DecodeArgs& args, const DecodeItem& item,
+                                              int lane, MmaWarpState<Traits>& state) {
+  const AttentionProblem& problem = args.problem;
+  const int group_row = lane / 4, quad_lane = lane % 4;
+#pragma unroll
+  for (int set = 0; set < 2; ++set) {
+    const int32_t row = group_row + 8 * set;
+    const bool used = (set == 0 || Traits::kFullRows) && row < item.rows;
+    const uint16_t* q_row = nullptr;
+    int32_t t = 0;
+    if (used) {
+      t = row / item.group;
+      const int32_t head = item.work.kv_head * item.group + (row - t * item.group);
+      const int64_t token = problem.q_begin(item.work.request) + item.work.q_start + t;
+      q_row = static_cast<const uint16_t*>(problem.q) + token * problem.q_stride_token +
+              head * problem.q_stride_head;
+    }
+#pragma unroll
+    for (int ks = 0; ks < Traits::kKSteps; ++ks) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int feature = ks * 16 + half * 8 + 2 * quad_lane;
+        uint32_t packed = 0;
+        if (used && feature < problem.head_dim) {  // head_dim is a multiple of 8
+          packed = uint32_t{q_row[feature]} | (uint32_t{q_row[feature + 1]} << 16);
+        }
+        state.q[ks][set + 2 * half] = packed;
+      }
+    }
+    if (set < MmaWarpState<Traits>::kRowSets) {
+      state.max_score[set] = -INFINITY;
+      state.sum_exp[set] = 0.0f;
+      state.first_key[set] = state.last_key[set] = 0;
+      if (used) item_visible_keys(problem, item, t, &state.first_key[set], &state.last_key[set]);
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < Traits::kDTiles; ++d) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) state.o[d][e] = 0.0f;
+  }
+}
+
+// One warp's 16 keys of a tile: S = Q K^T, online softmax, O += P V.
+template <class Traits, DType kDType>
+__device__ __forceinline__ void mma_consume_tile(const DecodeArgs& args, uint32_t k_stage,
+                                                 uint32_t v_stage, int32_t tile_first_key,
+                                                 int warp, int lane,
+                                                 MmaWarpState<Traits>& state) {
+  using Ops = MmaOps<kDType>;
+  constexpr int kSets = MmaWarpState<Traits>::kRowSets;
+  const int matrix = lane / 8, matrix_row = lane % 8;
+  const int quad_lane = lane % 4;
+
+  // K fragments: matrices {keys 0-7, dims lo}, {keys 0-7, dims hi}, {keys 8-15, lo}, {8-15, hi}.
+  const int k_key = warp * Traits::kKeysPerWarp + (matrix / 2) * 8 + matrix_row;
+  const uint32_t k_row = k_stage + k_key * Traits::kRowBytes;
+  float s[2][4];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+  }
+#pragma unroll
+  for (int ks = 0; ks < Traits::kKSteps; ++ks) {
+    uint32_t kf[4];
+    const int chunk = 2 * ks + (matrix & 1);
+    ptx::ldmatrix_x4(kf, k_row + ((chunk ^ matrix_row) * 16));
+    Ops::mma(s[0], state.q[ks], kf[0], kf[1]);
+    Ops::mma(s[1], state.q[ks], kf[2], kf[3]);
+  }
+
+  // Scale, mask, online softmax. Element (j, e): row set e / 2, key 8 j + 2 quad_lane + e % 2.
+  const int32_t key0 = tile_first_key + warp * Traits::kKeysPerWarp + 2 * quad_lane;
+  float rescale[kSets];
+  float p[2][4];
+#pragma unroll
+  for (int set = 0; set < kSets; ++set) {
+    float chunk_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int e = 2 * set + c;
+        float v = s[j][e] * args.q_scale;
+        if (args.soft_cap) v = args.soft_cap_log2 * soft_cap_tanh(v);
+        const int32_t key = key0 + 8 * j + c;
+        const bool visible = key >= state.first_key[set] && key < state.last_key[set];
+        v = visible ? v : -INFINITY;
+        s[j][e] = v;
+        chunk_max = fmaxf(chunk_max, v);
+      }
+    }
+    chunk_max = ptx::quad_max(chunk_max);
+    const float new_max = fmaxf(state.max_score[set], chunk_max);
+    const float base = new_max == -INFINITY ? 0.0f : new_max;
+    rescale[set] = ptx::ex2_approx(state.max_score[set] - base);
+    state.max_score[set] = new_max;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int e = 2 * set + c;
+        p[j][e] = ptx::ex2_approx(s[j][e] - base);
+        sum += p[j][e];
+      }
+    }
+    state.sum_exp[set] = state.sum_exp[set] * rescale[set] + sum;
+  }
+  bool moved = rescale[0] != 1.0f;
+  if constexpr (kSets == 2) moved = moved || rescale[1] != 1.0f;
+  if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+    for (int d = 0; d < Traits::kDTiles; ++d) {
+      state.o[d][0] *= rescale[0];
+      state.o[d][1] *= rescale[0];
+      if constexpr (kSets == 2) {
+        state.o[d][2] *= rescale[1];
+        state.o[d][3] *= rescale[1];
+      }
+    }
+  }
+
+  uint32_t pf[4];
+  pf[0] = Ops::pack(p[0][0], p[0][1]);
+  pf[2] = Ops::pack(p[1][0], p[1][1]);
+  if constexpr (kSets == 2) {
+    pf[1] = Ops::pack(p[0][2], p[0][3]);
+    pf[3] = Ops::pack(p[1][2], p[1][3]);
+  } else {
+    pf[1] = pf[3] = 0u;
+  }
+
+  // V fragments (transposed): matrices {keys 0-7, dims d}, {keys 8-15, d}, {0-7, d+1}, {8-15, d+1}.
+  const int v_key = warp * Traits::kKeysPerWarp + (matrix & 1) * 8 + matrix_row;
+  const uint32_t v_row = v_stage + v_key * Traits::kRowBytes;
+#pragma unroll
+  for (int dp = 0; dp < Traits::kKSteps; ++dp) {
+    uint32_t vf[4];
+    const int chunk = 2 * dp + (matrix >> 1);
+    ptx::ldmatrix_x4_trans(vf, v_row + ((chunk ^ matrix_row) * 16));
+    Ops::mma(state.o[2 * dp], pf, vf[0], vf[1]);
+    Ops::mma(state.o[2 * dp + 1], pf, vf[2], vf[3]);
+  }
+}
+
+template <class Traits, DType kDType>
+__device__ __forceinline__ void mma_key_loop(const DecodeArgs& args, const DecodeItem& item,
+                                             uint8_t* shared, int warp, int lane,
+                                             MmaWarpState<Traits>& state) {
+  constexpr int kStages = Traits::kStages;
+  constexpr int kTileKeys = Traits::kTileKeys;
+  auto* key_offsets = reinterpret_cast<longlong2*>(shared + Traits::kKeyOffsetsOffset);
+  const int32_t num_tiles = (item.key_end - item.key_begin + kTileKeys - 1) / kTileKeys;
+
+  for (int index = threadIdx.x; index < kStages * kTileKeys; index += Traits::kNumThreads) {
+    const PrefetchedKey key = prefetch_key(args, item, int64_t{item.key_begin} + index);
+    key_offsets[index] = key_row_offsets(args, item, key);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int stage = 0; stage < kStages - 1; ++stage) {
+    if (stage < num_tiles) issue_tile_copies_swizzled<Traits>(args, shared, key_offsets, stage);
+    ptx::cp_async_commit_group();
+  }
+
+  const uint32_t k_ring = ptx::shared_address(shared + Traits::kKRingOffset);
+  const uint32_t v_ring = ptx::shared_address(shared + Traits::kVRingOffset);
+#pragma unroll 1
+  for (int32_t tile = 0; tile < num_tiles; ++tile) {
+    // Page lookup of tile + kStages first, so its latency overlaps the wait below as well as
+    // this tile's compute; its offsets are stored at the end of the iteration.
+    PrefetchedKey next_key{-1, 0};
+    if (threadIdx.x < kTileKeys) {
+      next_key = prefetch_key(
+          args, item, int64_t{item.key_begin} + int64_t{tile + kStages} * kTileKeys + threadIdx.x);
+    }
+    ptx::cp_async_wait_group<kStages - 2>();
+    __syncthreads();
+    const int stage = tile % kStages;
+    const int32_t refill = tile + kStages - 1;
+    if (refill < num_tiles) {
+      issue_tile_copies_swizzled<Traits>(args, shared, key_offsets, refill % kStages);
+    }
+    ptx::cp_async_commit_group();
+
+    mma_consume_tile<Traits, kDType>(args, k_ring + stage * Traits::kTileBytes,
+                                     v_ring + stage * Traits::kTileBytes,
+                                     item.key_begin + tile * kTileKeys, warp, lane, state);
+
+    if (threadIdx.x < kTileKeys) {
+      key_offsets[stage * kTileKeys + threadIdx.x] = key_row_offsets(args, item, next_key);
+    }
+  }
+  ptx::cp_async_wait_group<0>();
+  __syncthreads();  // the ring is free: the merge reuses it
+}
+
+template <class Traits, DType kDType>
+__device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, const DecodeItem& item,
+                                                    uint8_t* shared, int warp, int lane,
+                                                    const MmaWarpState<Traits>& state) {
+  constexpr int kSets = MmaWarpState<Traits>::kRowSets;
+  auto* merge_o = reinterpret_cast<float*>(shared + Traits::kMergeOOffset);
+  auto* merge_max = reinterpret_cast<float*>(shared + Traits::kMergeMaxOffset);
+  auto* merge_sum = reinterpret_cast<float*>(shared + Traits::kMergeSumOffset);
+  const int group_row = lane / 4, quad_lane = lane % 4;
+#pragma unroll
+  for (int set = 0; set < kSets; ++set) {
+    const int row = group_row + 8 * set;
+    const int state_index = warp * Traits::kMaxRows + row;
+    float* destination = merge_o + state_index * Traits::kMergeStride + 2 * quad_lane;
+#pragma unroll
+    for (int d = 0; d < Traits::kDTiles; ++d) {
+      *reinterpret_cast<float2*>(destination + 8 * d) =
+          make_float2(state.o[d][2 * set], state.o[d][2 * set + 1]);
+    }
+    const float sum = ptx::quad_sum(state.sum_exp[set]);
+    if (quad_lane == 0) {
+      merge_max[state_index] = state.max_score[set];
+      merge_sum[state_index] = sum;
+    }
+  }
+  __syncthreads();
+
+  const int32_t rows = min(item.rows, Traits::kMaxRows);
+  const int32_t quads = args.problem.head_dim / 4;
+  constexpr float kLn2 = std::numbers::ln2_v<float>;
+  for (int32_t task = threadIdx.x; task < rows * quads; task += Traits::kNumThreads) {
+    const int32_t row = task / quads;
+    const int32_t quad = task - row * quads;
+    float best = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Traits::kWarps; ++w) {
+      best = fmaxf(best, merge_max[w * Traits::kMaxRows + row]);
+    }
+    float4 accumulator = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float total = 0.0f;
+    if (best != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < Traits::kWarps; ++w) {
+        const int state_index = w * Traits::kMaxRows + row;
+        const float weight = ptx::ex2_approx(merge_max[state_index] - best);
+        total += weight * merge_sum[state_index];
+        const float4 part = *reinterpret_cast<const float4*>(
+            merge_o + state_index * Traits::kMergeStride + quad * 4);
+        accumulator.x += weight * part.x;
+        accumulator.y += weight * part.y;
+        accumulator.z += weight * part.z;
+        accumulator.w += weight * part.w;
+      }
+    }
+    const float scale = total > 0.0f ? args.output_scale / total : 0.0f;
+    accumulator.x *= scale;
+    accumulator.y *= scale;
+    accumulator.z *= scale;
+    accumulator.w *= scale;
+    const float lse = total > 0.0f ? (best + __log2f(total)) * kLn2 : -INFINITY;
+    store_output_quad<kDType>(args, item, row, quad, accumulator, lse);
+  }
+  __syncthreads();  // shared memory is reused by the next item
+}
+
+template <class Traits, DType kDType>
+__global__ void __launch_bounds__(Traits::kNumThreads)
+    decode_mma_kernel(const __grid_constant__ DecodeArgs args) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int32_t begin = args.worker_indptr[blockIdx.x];
+  const int32_t end = args.worker_indptr[blockIdx.x + 1];
+  for (int32_t index = begin; index < end; ++index) {
+    const DecodeItem item = make_decode_item(args, args.work[index]);
+    MmaWarpState<Traits> state;
+    mma_load_rows<Traits, kDType>(args, item, lane, state);
+    mma_key_loop<Traits, kDType>(args, item, shared, warp, lane, state);
+    mma_merge_and_store<Traits, kDType>(args, item, shared, warp, lane, state);
+  }
+}
+
+// ---------------------------------------------------------------------------- host side
+
+template <class Traits, DType kDType>
+const char* decode_mma_kernel_name() {
+  static const auto name = [] {
+    struct Text {
+      char text[112];
+    } result{};
+    std::snprintf(result.text, sizeof(result.text),
+                  "sm80::decode_mma_kernel<d%d, %s, rows %d, warps %d, stages %d>",
+                  Traits::kHeadDim, decode_dtype_name(kDType), Traits::kMaxRows, Traits::kWarps,
+                  Traits::kStages);
+    return result;
+  }();
+  return name.text;
+}
+
+template <class Traits, DType kDType>
+void enable_decode_mma_smem() {
+  static std::atomic<uint64_t> configured_devices{0};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (configured_devices.load(std::memory_order_acquire) & bit) != 0) return;
+  check_cuda(cudaFuncSetAttribute(decode_mma_kernel<Traits, kDType>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(Traits::kSmemBytes)),
+             decode_mma_kernel_name<Traits, kDType>());
+  configured_devices.fetch_or(bit, std::memory_order_release);
+}
+
+template <class Traits, DType kDType>
+void launch_decode_mma(const DecodeArgs& args, void* stream) {
+  if (args.num_workers <= 0) return;
+  enable_decode_mma_smem<Traits, kDType>();
+  const dim3 grid(static_cast<unsigned>(args.num_workers));
+  const dim3 block(Traits::kNumThreads);
+  decode_mma_kernel<Traits, kDType>
+      <<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args);
+  check_kernel_launch(decode_mma_kernel_name<Traits, kDType>(), grid, block, Traits::kSmemBytes);
+}
+
+template <class Traits, DType kDType>
+int decode_mma_max_ctas_per_sm(int device) {
+  try {
+    CudaDeviceGuard guard(device);
+    enable_decode_mma_smem<Traits, kDType>();
+    int ctas = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                   &ctas, decode_mma_kernel<Traits, kDType>, Traits::kNumThreads,
+                   Traits::kSmemBytes),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return ctas;
+  } catch (const Error&) {
+    cudaGetLastError();
+    return 0;
+  }
+}
+
+template <int kHeadDim, DType kDType, int kWarps, int kStages, bool kFullRows>
+DecodeKernel make_decode_mma_kernel() {
+  using Traits = DecodeMmaTraits<kHeadDim, kWarps, kStages, kFullRows>;
+  return DecodeKernel{decode_mma_kernel_name<Traits, kDType>(),
+                      Traits::kHeadDim,
+                      Traits::kMaxRows,
+                      Traits::kNumThreads,
+                      Traits::kSmemBytes,
+                      &launch_decode_mma<Traits, kDType>,
+                      &decode_mma_max_ctas_per_sm<Traits, kDType>};
+}
+
+// Variant v (1..kDecodeMmaVariants) -> (warps, stages): see decode.cu.
+template <int kHeadDim, DType kDType, bool kFullRows>
+const DecodeKernel* select_decode_mma_variant(int variant) {
+  static const DecodeKernel kernels[3] = {
+      make_decode_mma_kernel<kHeadDim, kDType, 4, 3, kFullRows>(),
+      make_decode_mma_kernel<kHeadDim, kDType, 4, 4, kFullRows>(),
+      make_decode_mma_kernel<kHeadDim, kDType, 2, 6, kFullRows>()};
+  if (variant < 1 || variant > 3) return nullptr;
+  return &kernels[variant - 1];
+}
+
+// Tensor-core kernels of one head_dim bucket: q = K/V dtype fp16/bf16, rows <= 8 or <= 16.
+// d256 has none: 256 dims of accumulators plus the Q fragments spill at 255 registers; it
+// keeps the CUDA-core kernel.
+template <int kHeadDim>
+const DecodeKernel* select_decode_mma_kernel(DType q_dtype, DType kv_dtype, bool full_rows,
+                                             int variant) {
+  if (q_dtype != kv_dtype) return nullptr;
+  if constexpr (kHeadDim > 128) {
+    (void)full_rows;
+    (void)variant;
+    return nullptr;
+  } else {
+    switch (q_dtype) {
+      case DType::kFloat16:
+        return full_rows ? select_decode_mma_variant<kHeadDim, DType::kFloat16, true>(variant)
+                         : select_decode_mma_variant<kHeadDim, DType::kFloat16, false>(variant);
+      case DType::kBFloat16:
+        return full_rows ? select_decode_mma_variant<kHeadDim, DType::kBFloat16, true>(variant)
+                         : select_decode_mma_variant<kHeadDim, DType::kBFloat16, false>(variant);
+      default: return nullptr;
+    }
+  }
+}
+
+}  // namespace tessera::detail::sm80
