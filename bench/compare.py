@@ -67,6 +67,7 @@ def main():
     parser.add_argument("tessera_json")
     parser.add_argument("--out", default="")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--png", default="", help="also draw the rates per case to this PNG")
     args = parser.parse_args()
     with open(args.tessera_json) as f:
         report = json.load(f)
@@ -107,6 +108,35 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    if args.png:
+        draw_chart(rows, args.png, torch.cuda.get_device_name())
+
+
+def draw_chart(rows, path, device):
+    """Two panels: prefill TFLOP/s and decode TB/s, one group of bars per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("prefill", [r for r in rows if r["op"] != "decode"], "TFLOP/s"),
+              ("decode", [r for r in rows if r["op"] == "decode"], "TB/s of K+V")]
+    fig, axes = plt.subplots(2, 1, figsize=(16, 10))
+    for ax, (title, subset, unit) in zip(axes, panels):
+        names = [r["name"] for r in subset]
+        width = 0.27
+        for i, (key, label) in enumerate([("tessera_rate", "tessera"), ("flash_rate", "FA2 (SDPA)"),
+                                          ("cudnn_rate", "cuDNN (SDPA)")]):
+            values = [r[key] or 0.0 for r in subset]
+            ax.bar([x + (i - 1) * width for x in range(len(subset))], values, width, label=label)
+        ax.set_xticks(range(len(subset)))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel(unit)
+        ax.set_title(f"{title}, bf16, {device}")
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,16 @@ void sweep(Device device, int num_cases, uint64_t seed) {
   }
   for (int i = 0; i < num_cases; ++i) {
     AttentionCase test_case = random_case(rng, limits);
+    if (device.type == DeviceType::kCUDA && op_of(test_case) != AttentionOp::kDecode) {
+      // CUDA prefill copies 16-byte rows: strides must be multiples of 8 elements (what any
+      // framework's tensors with head_dim % 8 == 0 have). Unaligned views are rejected with a
+      // clear error (CudaPrefill.RejectsStridesThatAreNotMultiplesOf8); decode takes any.
+      for (int32_t* pad : {&test_case.q_head_pad, &test_case.q_token_pad, &test_case.o_head_pad,
+                           &test_case.o_token_pad, &test_case.kv_head_pad,
+                           &test_case.kv_token_pad}) {
+        *pad = (*pad + 7) / 8 * 8;
+      }
+    }
     AttentionBuffers buffers = make_buffers(test_case, rng);
     const Outputs expected = run_reference(buffers);
     const Outputs actual = run_through_api(buffers, device);

@@ -442,7 +442,7 @@ TEST(CudaPrefill, RejectsFp8KvCacheNamingKDtype) {
     FAIL() << "fp8 K/V ran on the CUDA prefill kernels";
   } catch (const Error& error) {
     EXPECT_EQ(error.kind(), Error::Kind::kUnsupported);
-    EXPECT_NE(std::string(error.what()).find("k dtype"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("'k': dtype"), std::string::npos) << error.what();
   }
 }
 

@@ -5,7 +5,8 @@
 # (memcheck, racecheck, synccheck, initcheck), `tessera bench` (JSON) and the side-by-side
 # comparison with torch SDPA, writing logs into OUT_DIR (at most 8 files).
 # Environment: TESSERA_SKIP_SANITIZER=1, TESSERA_SKIP_BENCH=1, TESSERA_SKIP_PYTHON=1,
-# TESSERA_BENCH_ARGS. Files: tests.log, sanitizer.log, bench.log/json, compare.log/json, python.log.
+# TESSERA_BENCH_ARGS. Files: tests.log, sanitizer.log, bench.log/json, compare.log/json/png,
+# python.log.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
@@ -36,7 +37,7 @@ if [ "${TESSERA_SKIP_SANITIZER:-0}" != 1 ]; then
       [ -x "$test" ] || continue
       echo "=== $tool $(basename "$test")" >>"$out/sanitizer.log"
       TESSERA_TEST_REDUCED=1 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-        "$test" --gtest_brief=1 --gtest_filter='Sanitizer*' >>"$out/sanitizer.log" 2>&1
+        "$test" --gtest_brief=1 --gtest_filter='*Sanitizer*' >>"$out/sanitizer.log" 2>&1
       rc=$?
       echo "exit $rc" >>"$out/sanitizer.log"
       [ $rc -eq 0 ] || status=1
@@ -52,7 +53,7 @@ if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
     >"$out/bench.log" 2>&1 || status=1
   cat "$out/bench.log"
   PYTHONUNBUFFERED=1 python3 "$root/bench/compare.py" "$out/bench.json" \
-    --out "$out/compare.json" >"$out/compare.log" 2>&1 || status=1
+    --out "$out/compare.json" --png "$out/compare.png" >"$out/compare.log" 2>&1 || status=1
   cat "$out/compare.log"
 fi
 
@@ -60,7 +61,7 @@ fi
 #    library of this build.
 if [ "${TESSERA_SKIP_PYTHON:-0}" != 1 ]; then
   TESSERA_LIBRARY="$(cd "$build" && pwd)/libtessera.so" PYTHONPATH="$root/python" \
-    PYTHONUNBUFFERED=1 python3 -m pytest -q -p no:cacheprovider "$root/tests/python" \
+    PYTHONUNBUFFERED=1 python3 -m pytest -q -rs -p no:cacheprovider "$root/tests/python" \
     >"$out/python.log" 2>&1 || status=1
   tail -15 "$out/python.log"
 fi

@@ -72,7 +72,11 @@ def _package_version() -> str:
             pass
     except ImportError:
         pass
-    return "0+unknown"
+    # Running from a source tree (PYTHONPATH=python, TESSERA_LIBRARY=...): the library knows.
+    try:
+        return _lib().tessera_version().decode()
+    except Exception:  # no loadable library: the import itself still works
+        return "0+unknown"
 
 
 __version__: str = _package_version()

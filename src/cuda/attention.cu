@@ -31,13 +31,14 @@ void check_vector_access(const char* name, const void* data, bool required,
   if (!required) return;
   if (reinterpret_cast<uintptr_t>(data) % kVectorBytes != 0) {
     throw Error(Error::Kind::kUnsupported,
-                std::string(name) + ": the CUDA kernels need a 16-byte aligned data pointer");
+                std::string("tessera: '") + name +
+                    "': CUDA prefill needs a 16-byte aligned data pointer");
   }
   for (const auto& [stride, stepped] : strides) {
     if (stepped && stride % kVectorElements != 0) {
       throw Error(Error::Kind::kUnsupported,
-                  std::string(name) + ": stride " + std::to_string(stride) +
-                      " is not a multiple of 8 elements (16 bytes), which the CUDA kernels need");
+                  std::string("tessera: '") + name + "': stride " + std::to_string(stride) +
+                      " is not a multiple of 8 elements (16 bytes), which CUDA prefill needs");
     }
   }
 }
@@ -60,15 +61,15 @@ void check_prefill_arguments(const Plan& plan, const AttentionProblem& problem,
                     std::to_string(info.sm_major) + std::to_string(info.sm_minor));
   }
   if (problem.q_dtype != DType::kFloat16 && problem.q_dtype != DType::kBFloat16) {
-    throw Error(Error::Kind::kUnsupported, std::string("q dtype ") + dtype_name(problem.q_dtype) +
+    throw Error(Error::Kind::kUnsupported, std::string("tessera: 'q': dtype ") + dtype_name(problem.q_dtype) +
                                                " is not supported by CUDA prefill (fp16, bf16)");
   }
   if (problem.kv.dtype != problem.q_dtype) {
     throw Error(Error::Kind::kUnsupported,
-                std::string("k dtype ") + dtype_name(problem.kv.dtype) +
+                std::string("tessera: 'k': dtype ") + dtype_name(problem.kv.dtype) +
                     " is not supported by CUDA prefill with q dtype " +
                     dtype_name(problem.q_dtype) +
-                    " (k/v must have q's dtype; fp8 KV caches are not supported yet)");
+                    " (k/v must have q's dtype; fp8 KV caches are served by decode)");
   }
   if (!(problem.sm_scale > 0.0f) || !std::isfinite(problem.sm_scale)) {
     throw Error(Error::Kind::kUnsupported,
