@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <numeric>
@@ -330,12 +331,17 @@ BenchCase gqa_case(AttentionOp op, int batch, int q_len, int kv_len, bool causal
 
 }  // namespace
 
-Device resolve_backend(const std::string& backend) {
+Device resolve_backend(const std::string& requested, bool* reference) {
+  // TESSERA_BACKEND picks the backend when the command line leaves it at auto.
+  const char* env = std::getenv("TESSERA_BACKEND");
+  const std::string backend = requested == "auto" && env && *env ? std::string(env) : requested;
+  if (reference) *reference = backend == "cpu-reference";
   if (backend == "cpu" || backend == "cpu-reference") return Device{DeviceType::kCPU, 0};
   if (backend == "cuda") return Device{DeviceType::kCUDA, 0};
   if (backend != "auto") {
     throw Error(Error::Kind::kInvalidArgument,
-                "--backend: expected auto, cpu, cpu-reference or cuda, got '" + backend + "'");
+                "--backend / TESSERA_BACKEND: expected auto, cpu, cpu-reference or cuda, got '" +
+                    backend + "'");
   }
   return cuda_available() ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
 }
@@ -387,8 +393,8 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
 }
 
 int run_bench(const BenchOptions& options) {
-  const Device device = resolve_backend(options.backend);
-  const bool reference = options.backend == "cpu-reference";
+  bool reference = false;
+  const Device device = resolve_backend(options.backend, &reference);
   const CpuImpl saved_impl = cpu_impl();
   if (reference) set_cpu_impl(CpuImpl::kReference);
 

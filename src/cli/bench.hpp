@@ -47,7 +47,9 @@ struct BenchResult {
   std::string status = "ok";
 };
 
-Device resolve_backend(const std::string& backend);
+// auto: TESSERA_BACKEND if set, else the GPU when one is visible, else the CPU. `reference`
+// (optional) is set when the double-precision oracle was asked for (cpu-reference).
+Device resolve_backend(const std::string& backend, bool* reference = nullptr);
 std::vector<BenchCase> bench_suite(const std::string& suite, Device device);
 int run_bench(const BenchOptions& options);
 
