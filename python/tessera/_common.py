@@ -76,7 +76,11 @@ def split_paged_kv_cache(paged_kv_cache: Any, name: str = "paged_kv_cache"
         if len(paged_kv_cache) != 2:
             raise ValueError(f"'{name}': expected (k_cache, v_cache), got {len(paged_kv_cache)} items")
         return to_dl(paged_kv_cache[0], "k_cache"), to_dl(paged_kv_cache[1], "v_cache")
-    both = to_dl(paged_kv_cache, name)
+    return split_combined_kv(to_dl(paged_kv_cache, name), name)
+
+
+def split_combined_kv(both: DLTensor, name: str = "paged_kv_cache") -> Tuple[DLTensor, DLTensor]:
+    """K and V views of one paged-KV tensor [num_pages, 2, ...] (K at index 0 of dim 1)."""
     shape = shape_of(both)
     if len(shape) != 5 or shape[1] != 2:
         raise ValueError(

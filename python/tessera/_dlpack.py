@@ -228,6 +228,145 @@ def to_dl(obj: Any, name: str, writable: bool = False) -> DLTensor:
     return _from_capsule(obj.__dlpack__(), obj, name, writable)
 
 
+# ---------------------------------------------------------------------------------------------
+# Descriptor cache for the hot paths (the wrappers' run): serving engines call run() with the
+# same preallocated buffers every step, so the descriptor of a buffer is built once and reused.
+#
+# The key is everything the descriptor holds: data pointer, shape, strides, dtype and device
+# (plus the type of the object, as the frameworks spell these differently). A cached descriptor
+# owns its shape/strides arrays and does not reference the array object (the caller's argument
+# keeps the memory alive during the call), so a buffer freed and reallocated elsewhere, or a new
+# buffer at the same address with another shape/strides/dtype, gets another key: a descriptor is
+# never stale. Descriptors from the cache are shared and must not be modified.
+#
+# numpy: the data pointer and flags are read from the PyArrayObject struct (``data`` right after
+# the object header, ``flags`` after nd/dimensions/strides/base/descr; numpy's C ABI since 1.7),
+# ~10x cheaper than ``__array_interface__`` / ``.ctypes``; verified at import, else not used.
+# torch: ``data_ptr()``, ``shape``, ``stride()``, ``dtype``, ``device``. Other frameworks (cupy,
+# jax, ...) are not cached (to_dl each call).
+
+
+class _NumpyHead(ctypes.Structure):
+    """The leading fields of numpy's PyArrayObject (after PyObject_HEAD)."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("nd", ctypes.c_int),
+        ("dimensions", ctypes.c_void_p),
+        ("strides", ctypes.c_void_p),
+        ("base", ctypes.c_void_p),
+        ("descr", ctypes.c_void_p),
+        ("flags", ctypes.c_int),
+    ]
+
+
+_HEAD_SIZE = object.__basicsize__
+_numpy_head = _NumpyHead.from_address
+_voidp_at = ctypes.c_void_p.from_address
+
+
+def _numpy_head_works() -> bool:
+    try:
+        for array in (np.zeros((3, 4), np.float32), np.zeros(5, np.int32)[::2]):
+            for writeable in (True, False):
+                array.flags.writeable = writeable
+                head = _numpy_head(id(array) + _HEAD_SIZE)
+                if (head.data != array.__array_interface__["data"][0] or head.nd != array.ndim
+                        or bool(head.flags & _NPY_WRITEABLE) != writeable
+                        or bool(head.flags & _NPY_C_CONTIGUOUS) != array.flags.c_contiguous
+                        or _voidp_at(id(array) + _HEAD_SIZE).value != head.data):
+                    return False
+        return True
+    except Exception:  # pragma: no cover - unusual interpreter/numpy build
+        return False
+
+
+_NUMPY_HEAD_OK = _numpy_head_works()
+
+_DESCRIPTOR_CACHE: dict = {}
+#: Entries kept before the cache is emptied (each is a few hundred bytes; refilling costs one
+#: to_dl per buffer). Enough for every layer's buffers of a large model.
+DESCRIPTOR_CACHE_LIMIT = 4096
+
+
+def _owned_copy(tensor: DLTensor) -> DLTensor:
+    """A copy of ``tensor`` with its own shape/strides arrays and no reference to the array."""
+    ndim = tensor.ndim
+    array_type = _Int64Array * ndim
+    shape = array_type(*tensor.shape[:ndim])
+    strides = array_type(*tensor.strides[:ndim]) if tensor.strides else None
+    result = DLTensor(tensor.data, tensor.device, ndim, tensor.dtype, shape, strides,
+                      tensor.byte_offset)
+    result._keep = (shape, strides)
+    result._cached = True  # references no array: derived structs may be cached by its id
+    device_type = tensor.device.device_type
+    # CUDA device index for the stream lookup (None: host memory, no stream).
+    result._cuda = tensor.device.device_id if device_type == kDLCUDA else None
+    return result
+
+
+def _cache_miss(key: Any, obj: Any, name: str, writable: bool) -> DLTensor:
+    tensor = _owned_copy(to_dl(obj, name, writable))  # validates; raises without caching
+    cache = _DESCRIPTOR_CACHE
+    if len(cache) >= DESCRIPTOR_CACHE_LIMIT:
+        cache.clear()
+    cache[key] = tensor
+    return tensor
+
+
+def cached_dl(obj: Any, name: str, writable: bool = False) -> DLTensor:
+    """``to_dl(obj, name, writable)`` through the descriptor cache (numpy and torch; other
+    frameworks are converted each call). The result is shared: do not modify it. Its ``_cuda``
+    attribute is the CUDA device index, or None for host memory."""
+    cls = type(obj)
+    kind = _KIND_CACHE.get(cls) or framework(obj)
+    if kind == "numpy" and _NUMPY_HEAD_OK:
+        if writable:
+            head = _numpy_head(id(obj) + _HEAD_SIZE)
+            if not head.flags & _NPY_WRITEABLE:
+                return to_dl(obj, name, writable)  # raises the read-only error
+            key = (cls, head.data, obj.shape, obj.strides, obj.dtype)
+        else:
+            key = (cls, _voidp_at(id(obj) + _HEAD_SIZE).value, obj.shape, obj.strides, obj.dtype)
+    elif kind == "torch":
+        key = (cls, obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device)
+    else:
+        tensor = to_dl(obj, name, writable)
+        tensor._cuda = tensor.device.device_id if tensor.device.device_type == kDLCUDA else None
+        return tensor
+    tensor = _DESCRIPTOR_CACHE.get(key)
+    if tensor is None:
+        tensor = _cache_miss(key, obj, name, writable)
+    return tensor
+
+
+def clear_descriptor_cache() -> None:
+    """Empties the descriptor cache (tests; memory is otherwise bounded by the limit)."""
+    _DESCRIPTOR_CACHE.clear()
+
+
+def numpy_data_pointer(array: np.ndarray) -> int:
+    """Data pointer of a numpy array (0 for NULL)."""
+    if _NUMPY_HEAD_OK:
+        return _voidp_at(id(array) + _HEAD_SIZE).value or 0
+    return array.__array_interface__["data"][0] or 0
+
+
+def contiguous_like(like: DLTensor, data: int) -> DLTensor:
+    """A descriptor of a fresh C-contiguous array at ``data`` with the shape, dtype and device of
+    the (cached) descriptor ``like`` — the output that run() allocates like q."""
+    template = getattr(like, "_contiguous", None)
+    if template is None:
+        template = _DLTENSOR_PACK(0, like.device.device_type, like.device.device_id, like.ndim,
+                                  like.dtype.code, like.dtype.bits, like.dtype.lanes,
+                                  ctypes.cast(like.shape, ctypes.c_void_p).value or 0, 0, 0)
+        like._contiguous = template
+    tensor = DLTensor.from_buffer_copy(template)
+    tensor.data = data
+    tensor._keep = like  # owns the shape array
+    return tensor
+
+
 def optional_dl(obj: Any, name: str, writable: bool = False) -> Optional[DLTensor]:
     return None if obj is None else to_dl(obj, name, writable)
 
@@ -332,6 +471,11 @@ def stream_of(obj: Any, tensor: DLTensor) -> Optional[int]:
     kind = framework(obj)
     if kind == "torch":
         torch = sys.modules["torch"]
+        # torch.cuda.current_stream(device).cuda_stream without building a Stream object (the
+        # raw getter torch's own compiled code uses; ~1 us cheaper per call).
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw(tensor.device.device_id) or None
         return torch.cuda.current_stream(obj.device).cuda_stream or None
     if kind == "cupy":
         cupy = sys.modules["cupy"]

@@ -13,6 +13,13 @@ on the host and allocates nothing but its outputs (pass ``out=``/``lse=`` to all
 A plan is reused by every ``run`` until the next ``plan`` (e.g. once per decode step, shared by
 all layers).
 
+``run`` costs a few microseconds of Python per call (bench/python_overhead.py): the DLPack
+descriptors of its arguments are cached, keyed on (data pointer, shape, strides, dtype, device),
+so buffers that come back every step (static / preallocated buffers, per-layer KV caches,
+``out=``) are not re-described; a new buffer, or one reallocated with another shape, gets a new
+descriptor. Checks the C library does itself (shapes, dtypes, devices against the plan) are left
+to it; its errors name the Python argument.
+
 The workspace is a byte buffer on the device the plans are for (FlashInfer allocates
 ``torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")``; on the CPU a numpy
 ``np.empty(n, np.uint8)`` works). ``plan`` raises ValueError naming ``float_workspace_buffer``
@@ -46,16 +53,25 @@ import numpy as np
 
 from . import _capi
 from ._capi import Plan, check, kDLCUDA
-from ._common import attention_options, kv_layout_code, split_paged_kv_cache, stream_arg
+from ._common import (
+    attention_options,
+    kv_layout_code,
+    split_combined_kv,
+    split_paged_kv_cache,
+    stream_arg,
+)
 from ._dlpack import (
+    _KIND_CACHE,
     DLTensor,
+    cached_dl,
+    contiguous_like,
     data_pointer,
     device_of,
     empty,
     framework,
     from_numpy,
     nbytes_of,
-    ref,
+    numpy_data_pointer,
     shape_of,
     strides_of,
     stream_of,
@@ -95,6 +111,9 @@ _RUN_NAMES = {
     "workspace": "float_workspace_buffer",
 }
 _OPTION_ARG_NAMES = ("window_left", "logits_soft_cap", "sm_scale", "k_scale")
+# Per-wrapper caches of derived structs (paged-KV structs, HND views) keyed on the cached
+# descriptors they were made from; emptied when they grow past this (and on every plan).
+_DERIVED_CACHE_LIMIT = 1024
 
 
 def _int_arg(value: Any, name: str) -> int:
@@ -188,9 +207,15 @@ class _IndexSlot:
 
 
 class _Wrapper:
-    """State shared by the three wrappers: workspace, current plan, CUDA-graph bookkeeping."""
+    """State shared by the three wrappers: workspace, current plan, CUDA-graph bookkeeping.
+
+    run() is the per-layer hot path (a few microseconds of Python around the C call): argument
+    descriptors come from the descriptor cache (:func:`._dlpack.cached_dl`), structs derived from
+    them are cached per wrapper, and everything the C ABI validates itself (shapes, dtypes,
+    devices against the plan) is left to it; its errors name the Python argument."""
 
     _op = ""
+    _run_symbol = ""
 
     def __init__(self, float_workspace_buffer: ArrayLike, kv_layout: str = "NHD",
                  use_cuda_graph: bool = False) -> None:
@@ -201,6 +226,10 @@ class _Wrapper:
         self._plan_captured = False
         self._captured_plans: List[Plan] = []
         self._options = _capi.AttentionOptions()
+        # Structs/views derived from cached descriptors (NHD views, paged-KV structs), keyed on
+        # the ids of those descriptors, which each entry holds (so the ids are not reused).
+        self._derived: dict = {}
+        self._run_fn: Any = None  # the C run function, bound by plan()
         self.reset_workspace_buffer(float_workspace_buffer)
 
     # -- workspace ----------------------------------------------------------------------------
@@ -213,6 +242,8 @@ class _Wrapper:
         self._workspace_bytes = nbytes_of(workspace_dl, "float_workspace_buffer")
         self._workspace_ptr = data_pointer(workspace_dl)
         self._device = device_of(workspace_dl)
+        # run() asks torch whether a graph is being captured only in CUDA-graph mode on a GPU.
+        self._watch_capture = self._use_cuda_graph and self._device[0] == kDLCUDA
         if self._plan is not None:
             self._check_workspace(self._plan)
 
@@ -248,6 +279,8 @@ class _Wrapper:
         self._plan = plan
         self._plan_captured = False
         self._options = options
+        self._derived.clear()  # paged-KV structs point at the previous plan's index arrays
+        self._run_fn = getattr(_capi.lib(), self._run_symbol)
 
     def _require_plan(self) -> Plan:
         if self._plan is None:
@@ -262,6 +295,7 @@ class _Wrapper:
             self._plan_captured = True
 
     def _scales(self, k_scale: Optional[float], v_scale: Optional[float]) -> None:
+        """run()'s k_scale/v_scale must be the planned ones (only called when one is given)."""
         for value, planned, name in ((k_scale, self._options.k_scale, "k_scale"),
                                      (v_scale, self._options.v_scale, "v_scale")):
             if value is not None and float(np.float32(value)) != planned:
@@ -270,19 +304,52 @@ class _Wrapper:
 
     def _outputs(self, q: ArrayLike, q_dl: DLTensor, out: Optional[ArrayLike],
                  lse: Optional[ArrayLike], return_lse: bool):
-        shape = tuple(q.shape) if framework(q) in ("numpy", "torch") else shape_of(q_dl)
+        """run()'s outputs and their descriptors: ``out``/``lse`` when given (descriptors from
+        the cache: the static-buffer pattern), else fresh arrays like q."""
         if out is None:
-            out = empty(q, q_dl, shape)
-        o_dl = to_dl(out, "out", writable=True)
+            kind = _KIND_CACHE.get(type(q))
+            if kind == "numpy":
+                out = np.empty(q.shape, q.dtype)
+                o_dl = contiguous_like(q_dl, numpy_data_pointer(out))
+            elif kind == "torch":
+                out = sys.modules["torch"].empty(q.shape, dtype=q.dtype, device=q.device)
+                o_dl = contiguous_like(q_dl, out.data_ptr())
+            else:
+                out = empty(q, q_dl, shape_of(q_dl))
+                o_dl = to_dl(out, "out", writable=True)
+        else:
+            o_dl = cached_dl(out, "out", True)
         lse_dl = None
         if return_lse or lse is not None:
             if lse is None:
-                lse = empty(q, q_dl, shape[:2], "float32", "lse")
-            lse_dl = to_dl(lse, "lse", writable=True)
+                lse = empty(q, q_dl, shape_of(q_dl)[:2], "float32", "lse")
+                lse_dl = to_dl(lse, "lse", writable=True)
+            else:
+                lse_dl = cached_dl(lse, "lse", True)
         return out, o_dl, lse, lse_dl
+
+    def _stream(self, q: ArrayLike, q_dl: DLTensor) -> Optional[ctypes.c_void_p]:
+        return stream_arg(stream_of(q, q_dl))
+
+    def _nhd(self, tensor: DLTensor, name: str) -> DLTensor:
+        """The NHD view of an HND k/v descriptor (cached per descriptor)."""
+        if not getattr(tensor, "_cached", False):  # holds its array: do not keep it
+            return _hnd_to_nhd(tensor, name)
+        derived = self._derived
+        key = ("nhd", id(tensor))
+        hit = derived.get(key)
+        if hit is not None and hit[0] is tensor:
+            return hit[1]
+        result = _hnd_to_nhd(tensor, name)
+        if len(derived) >= _DERIVED_CACHE_LIMIT:
+            derived.clear()
+        derived[key] = (tensor, result)
+        return result
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
+    _run_symbol = "tessera_run_ragged_prefill"
+
     """Prefill attention over a ragged batch of K/V (FlashInfer's wrapper of the same name).
 
     ``q`` is ``[total_q, num_qo_heads, head_dim]`` ragged by ``qo_indptr``; ``k``/``v`` are
@@ -376,19 +443,26 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         """Runs the plan: returns ``o`` ``[total_q, num_qo_heads, head_dim]`` (q's dtype), or
         ``(o, lse)`` with ``lse`` ``[total_q, num_qo_heads]`` float32 when ``return_lse``."""
         del enable_pdl
-        plan = self._require_plan()
-        self._scales(k_scale, v_scale)
-        q_dl = to_dl(q, "q")
-        k_dl = to_dl(k, "k")
-        v_dl = to_dl(v, "v")
+        plan = self._plan
+        if plan is None:
+            self._require_plan()
+        if k_scale is not None or v_scale is not None:
+            self._scales(k_scale, v_scale)
+        q_dl = cached_dl(q, "q")
+        k_dl = cached_dl(k, "k")
+        v_dl = cached_dl(v, "v")
         if self._layout == _capi.TESSERA_KV_LAYOUT_HND:
-            k_dl, v_dl = _hnd_to_nhd(k_dl, "k"), _hnd_to_nhd(v_dl, "v")
+            k_dl, v_dl = self._nhd(k_dl, "k"), self._nhd(v_dl, "v")
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
-        self._note_capture()
-        check(_capi.lib().tessera_run_ragged_prefill(
-            plan.handle, ref(q_dl), ref(k_dl), ref(v_dl), ref(self._qo_indptr.dl),
-            ref(self._kv_indptr.dl), ref(o_dl), ref(lse_dl), self._workspace_ptr,
-            self._workspace_bytes, stream_arg(stream_of(q, q_dl))), _RUN_NAMES)
+        if self._watch_capture:
+            self._note_capture()
+        # Descriptors are passed as ctypes instances (ctypes passes them by reference).
+        status = self._run_fn(
+            plan.handle, q_dl, k_dl, v_dl, self._qo_indptr.dl, self._kv_indptr.dl, o_dl, lse_dl,
+            self._workspace_ptr, self._workspace_bytes,
+            None if q_dl._cuda is None else self._stream(q, q_dl))
+        if status:
+            check(status, _RUN_NAMES)
         return (out, lse) if return_lse else out
 
 
@@ -408,26 +482,47 @@ class _PagedWrapper(_Wrapper):
         self._page_indptr = _IndexSlot("paged_kv_indptr", indptr_buffer)
         self._page_indices = _IndexSlot("paged_kv_indices", indices_buffer)
         self._last_page_len = _IndexSlot("paged_kv_last_page_len", last_page_len_buffer)
-        self._kv = _capi.PagedKV()
 
     def _place_pages(self, indptr: ArrayLike, indptr_host: np.ndarray, indices: ArrayLike,
                      last_page_len: ArrayLike, last_host: np.ndarray) -> None:
         self._page_indptr.place(self, indptr, indptr_host)
         self._page_indices.place(self, indices)
         self._last_page_len.place(self, last_page_len, last_host)
-        self._kv = _capi.PagedKV(
-            None, None, ctypes.pointer(self._page_indptr.dl), ctypes.pointer(self._page_indices.dl),
-            ctypes.pointer(self._last_page_len.dl), self._layout)
+        self._derived.clear()  # paged-KV structs point at the index descriptors replaced here
 
     def _paged_kv(self, paged_kv_cache: Any) -> _capi.PagedKV:
-        k_dl, v_dl = split_paged_kv_cache(paged_kv_cache)
-        kv = self._kv
-        kv.k_cache = ctypes.pointer(k_dl)
-        kv.v_cache = ctypes.pointer(v_dl)
+        """The ``tessera_paged_kv`` struct of this run (cached per pair of cached descriptors;
+        the cache is emptied by plan(), whose index arrays the struct points at)."""
+        if isinstance(paged_kv_cache, (tuple, list)):
+            if len(paged_kv_cache) != 2:
+                split_paged_kv_cache(paged_kv_cache)  # raises the error naming the argument
+            k_dl = cached_dl(paged_kv_cache[0], "k_cache")
+            v_dl = cached_dl(paged_kv_cache[1], "v_cache")
+            key: tuple = ("kv", id(k_dl), id(v_dl))
+            anchor: tuple = (k_dl, v_dl)
+        else:
+            both = cached_dl(paged_kv_cache, "paged_kv_cache")
+            key, anchor = ("kv5d", id(both)), (both,)
+        derived = self._derived
+        hit = derived.get(key)
+        if hit is not None and hit[0] == anchor:  # identity of the held descriptors
+            return hit[1]
+        if len(anchor) == 1:
+            k_dl, v_dl = split_combined_kv(anchor[0], "paged_kv_cache")
+        kv = _capi.PagedKV(
+            ctypes.pointer(k_dl), ctypes.pointer(v_dl), ctypes.pointer(self._page_indptr.dl),
+            ctypes.pointer(self._page_indices.dl), ctypes.pointer(self._last_page_len.dl),
+            self._layout)
+        if all(getattr(tensor, "_cached", False) for tensor in anchor):
+            if len(derived) >= _DERIVED_CACHE_LIMIT:
+                derived.clear()
+            derived[key] = (anchor, kv)
         return kv
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
+    _run_symbol = "tessera_run_paged_prefill"
+
     """Prefill / chunked prefill attention of ragged queries against a paged KV cache
     (FlashInfer's wrapper of the same name).
 
@@ -518,20 +613,27 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             ) -> Union[ArrayLike, Tuple[ArrayLike, ArrayLike]]:
         """Runs the plan: ``o`` ``[total_q, num_qo_heads, head_dim]``, or ``(o, lse)``."""
         del enable_pdl
-        plan = self._require_plan()
-        self._scales(k_scale, v_scale)
-        q_dl = to_dl(q, "q")
+        plan = self._plan
+        if plan is None:
+            self._require_plan()
+        if k_scale is not None or v_scale is not None:
+            self._scales(k_scale, v_scale)
+        q_dl = cached_dl(q, "q")
         kv = self._paged_kv(paged_kv_cache)
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
-        self._note_capture()
-        check(_capi.lib().tessera_run_paged_prefill(
-            plan.handle, ref(q_dl), ctypes.byref(kv), ref(self._qo_indptr.dl), ref(o_dl),
-            ref(lse_dl), self._workspace_ptr, self._workspace_bytes,
-            stream_arg(stream_of(q, q_dl))), _RUN_NAMES)
+        if self._watch_capture:
+            self._note_capture()
+        status = self._run_fn(
+            plan.handle, q_dl, kv, self._qo_indptr.dl, o_dl, lse_dl, self._workspace_ptr,
+            self._workspace_bytes, None if q_dl._cuda is None else self._stream(q, q_dl))
+        if status:
+            check(status, _RUN_NAMES)
         return (out, lse) if return_lse else out
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
+    _run_symbol = "tessera_run_decode"
+
     """Batch decode attention over a paged KV cache (FlashInfer's wrapper of the same name).
 
     ``q`` is ``[batch_size * q_per_request, num_qo_heads, head_dim]`` (``q_per_request = 1`` for
@@ -624,19 +726,25 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         """Runs the plan: ``o`` ``[batch_size * q_per_request, num_qo_heads, head_dim]`` in q's
         dtype, or ``(o, lse)`` with ``lse`` float32 ``[rows, num_qo_heads]``."""
         del enable_pdl
-        plan = self._require_plan()
+        plan = self._plan
+        if plan is None:
+            self._require_plan()
         if q_rope_offset is not None:
             raise ValueError("'q_rope_offset': RoPE inside attention is not supported; rotate q "
                              "with tessera.apply_rope_pos_ids_inplace first")
         if window_left is not None and window_left != self._options.window_left:
             raise ValueError(f"'window_left': the plan was made with window_left="
                              f"{self._options.window_left}; pass it to plan()")
-        self._scales(k_scale, v_scale)
-        q_dl = to_dl(q, "q")
+        if k_scale is not None or v_scale is not None:
+            self._scales(k_scale, v_scale)
+        q_dl = cached_dl(q, "q")
         kv = self._paged_kv(paged_kv_cache)
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
-        self._note_capture()
-        check(_capi.lib().tessera_run_decode(
-            plan.handle, ref(q_dl), ctypes.byref(kv), ref(o_dl), ref(lse_dl), self._workspace_ptr,
-            self._workspace_bytes, stream_arg(stream_of(q, q_dl))), _RUN_NAMES)
+        if self._watch_capture:
+            self._note_capture()
+        status = self._run_fn(
+            plan.handle, q_dl, kv, o_dl, lse_dl, self._workspace_ptr, self._workspace_bytes,
+            None if q_dl._cuda is None else self._stream(q, q_dl))
+        if status:
+            check(status, _RUN_NAMES)
         return (out, lse) if return_lse else out

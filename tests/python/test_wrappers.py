@@ -166,6 +166,143 @@ def test_preallocated_outputs(rng, workspace):
     assert o is out and l is lse
 
 
+# ---- descriptor cache (run() reuses the descriptors of buffers it has seen) ----------------
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_decode_consecutive_runs_with_different_buffers(rng, workspace, layout):
+    """Two "layers" with their own q / cache / out buffers of the same shapes, alternated: each
+    run must read its own inputs and write its own output (descriptor cache keyed correctly)."""
+    kv_lens = [12, 5]
+    caches = [PagedCache(np.random.default_rng(seed), kv_lens, 4, 1, 16, np.float32, layout)
+              for seed in (1, 2)]
+    wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace, layout)
+    c0 = caches[0]
+    wrapper.plan(c0.page_indptr, c0.page_indices, c0.last_page_len, 2, 1, 16, 4)
+    qs = [rng.standard_normal((2, 2, 16)).astype(np.float32) for _ in caches]
+    outs = [np.full((2, 2, 16), np.nan, np.float32) for _ in caches]
+    refs = []
+    for q, cache in zip(qs, caches):
+        # Both caches hold their pages at the same indices (same page table, other contents).
+        cache.page_indices, cache.page_indptr = c0.page_indices, c0.page_indptr
+        refs.append(attention_ref(q, None, None, [1, 1], kv_lens, k_rows=cache.rows())[0])
+    for _ in range(3):
+        for i in (0, 1):
+            result = wrapper.run(qs[i], (caches[i].k_cache, caches[i].v_cache), out=outs[i])
+            assert result is outs[i]
+            np.testing.assert_allclose(outs[i], refs[i], atol=2e-5, rtol=2e-5)
+            fresh = wrapper.run(qs[i], (caches[i].k_cache, caches[i].v_cache))
+            assert fresh is not outs[i]
+            np.testing.assert_allclose(fresh, refs[i], atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(outs[0], refs[0], atol=2e-5, rtol=2e-5)  # not overwritten
+    # The combined [num_pages, 2, ...] form of the same caches.
+    for i in (0, 1):
+        both = np.stack([caches[i].k_cache, caches[i].v_cache], axis=1)
+        np.testing.assert_allclose(wrapper.run(qs[i], both), refs[i], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_ragged_consecutive_runs_with_different_buffers(rng, workspace, layout):
+    lens = [3, 9]
+    wrapper = tessera.BatchPrefillWithRaggedKVCacheWrapper(workspace, layout)
+    wrapper.plan(indptr(lens), indptr(lens), 4, 2, 16, causal=True)
+    data = []
+    for _ in range(2):
+        q = rng.standard_normal((12, 4, 16)).astype(np.float32)
+        k = rng.standard_normal((12, 2, 16)).astype(np.float32)
+        v = rng.standard_normal((12, 2, 16)).astype(np.float32)
+        ref_o, ref_lse = attention_ref(q, k, v, lens, lens, causal=True)
+        if layout == "HND":
+            k, v = np.ascontiguousarray(k.transpose(1, 0, 2)), np.ascontiguousarray(
+                v.transpose(1, 0, 2))
+        data.append((q, k, v, np.empty_like(q), np.empty((12, 4), np.float32), ref_o, ref_lse))
+    for _ in range(2):
+        for q, k, v, out, lse, ref_o, ref_lse in data:
+            o, l = wrapper.run(q, k, v, out=out, lse=lse, return_lse=True)
+            assert o is out and l is lse
+            np.testing.assert_allclose(out, ref_o, atol=2e-5, rtol=2e-5)
+            np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-5)
+            np.testing.assert_allclose(wrapper.run(q, k, v), ref_o, atol=2e-5, rtol=2e-5)
+    for q, k, v, out, lse, ref_o, ref_lse in data:  # each output kept its own result
+        np.testing.assert_allclose(out, ref_o, atol=2e-5, rtol=2e-5)
+
+
+def test_same_address_other_shape_is_not_stale(rng, workspace):
+    """Buffers re-created at the same address with another shape or strides (a re-planned batch
+    in the same arena, a reallocated buffer) get their own descriptors."""
+    arena_q = np.zeros(4096, np.float32)
+    arena_o = np.zeros(4096, np.float32)
+    wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    cache = PagedCache(rng, [10, 7, 3], 4, 1, 16, np.float32)
+    k_rows = cache.rows()
+    for batch in (1, 3, 2, 3, 1):
+        sub = PagedCache(rng, [10, 7, 3][:batch], 4, 1, 16, np.float32)
+        wrapper.plan(cache.page_indptr[:batch + 1], cache.page_indices,
+                     cache.last_page_len[:batch], 2, 1, 16, 4)
+        del sub
+        q = arena_q[:batch * 32].reshape(batch, 2, 16)  # same address, shape follows the batch
+        q[...] = rng.standard_normal(q.shape)
+        out = arena_o[:batch * 32].reshape(batch, 2, 16)
+        assert q.__array_interface__["data"][0] == arena_q.__array_interface__["data"][0]
+        ref_o, _ = attention_ref(q, None, None, [1] * batch, [10, 7, 3][:batch],
+                                 k_rows=k_rows[:batch])
+        assert wrapper.run(q, (cache.k_cache, cache.v_cache), out=out) is out
+        np.testing.assert_allclose(out, ref_o, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(wrapper.run(q, (cache.k_cache, cache.v_cache)), ref_o,
+                                   atol=2e-5, rtol=2e-5)
+    # Same address and shape, other strides: q as a strided view of a wider buffer.
+    wrapper.plan(cache.page_indptr[:2], cache.page_indices, cache.last_page_len[:1], 2, 1, 16, 4)
+    dense = arena_q[:32].reshape(1, 2, 16)
+    strided = arena_q[:64].reshape(1, 2, 32)[:, :, :16]
+    arena_q[:64] = rng.standard_normal(64)
+    for q in (dense, strided, dense):
+        ref_o, _ = attention_ref(q, None, None, [1], [10], k_rows=k_rows[:1])
+        np.testing.assert_allclose(wrapper.run(q, (cache.k_cache, cache.v_cache)), ref_o,
+                                   atol=2e-5, rtol=2e-5)
+    # Same object reshaped in place (numpy allows assigning .shape): not served the old shape.
+    wrapper.plan(cache.page_indptr, cache.page_indices, cache.last_page_len, 2, 1, 16, 4)
+    q = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    ref_o, _ = attention_ref(q, None, None, [1] * 3, [10, 7, 3], k_rows=k_rows)
+    np.testing.assert_allclose(wrapper.run(q, (cache.k_cache, cache.v_cache)), ref_o,
+                               atol=2e-5, rtol=2e-5)
+    q.shape = (6, 1, 16)
+    with pytest.raises(ValueError, match="'q'"):
+        wrapper.run(q, (cache.k_cache, cache.v_cache))
+
+
+def test_cached_out_still_checked_read_only(rng, workspace):
+    cache = PagedCache(rng, [10], 4, 1, 16, np.float32)
+    wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(cache.page_indptr, cache.page_indices, cache.last_page_len, 2, 1, 16, 4)
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    out = np.empty_like(q)
+    wrapper.run(q, (cache.k_cache, cache.v_cache), out=out)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        wrapper.run(q, (cache.k_cache, cache.v_cache), out=out)
+    out.flags.writeable = True
+    wrapper.run(q, (cache.k_cache, cache.v_cache), out=out)
+
+
+def test_descriptor_cache_is_bounded(rng, workspace, monkeypatch):
+    from tessera import _dlpack
+
+    monkeypatch.setattr(_dlpack, "DESCRIPTOR_CACHE_LIMIT", 8)
+    _dlpack.clear_descriptor_cache()  # entries of earlier tests may match freed addresses
+    cache = PagedCache(rng, [10], 4, 1, 16, np.float32)
+    wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(cache.page_indptr, cache.page_indices, cache.last_page_len, 2, 1, 16, 4)
+    keep = []
+    for _ in range(40):
+        q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+        keep.append(q)  # distinct live buffers: distinct addresses
+        ref_o, _ = attention_ref(q, None, None, [1], [10], k_rows=cache.rows())
+        np.testing.assert_allclose(wrapper.run(q, (cache.k_cache, cache.v_cache)), ref_o,
+                                   atol=2e-5, rtol=2e-5)
+        assert len(_dlpack._DESCRIPTOR_CACHE) <= 8
+    assert _dlpack.cached_dl(keep[-1], "q") is _dlpack.cached_dl(keep[-1], "q")  # a hit
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Per-call overhead of the FlashInfer-style wrappers' ``run()`` from Python.
+
+    python bench/python_overhead.py                 # CPU numpy (+ torch CUDA when available)
+    python bench/python_overhead.py --calls 20000 --repeats 5 --no-cuda
+
+Tiny problems, so the time is the binding's cost plus the C call: one request, 16 keys,
+2 query heads / 1 KV head, head_dim 64 (decode: one page of 16; ragged prefill: one query row),
+``tessera.set_num_threads(1)``. Each line is the best over --repeats of (total time of --calls
+consecutive calls, time.perf_counter) / --calls, in microseconds, nothing subtracted.
+``run`` allocates its output each call; ``run(out=)`` writes into preallocated buffers (the
+static-buffer / CUDA-graph serving pattern). For reference the script also times the bare C call
+through ctypes with prebuilt descriptors (``ctypes floor``).
+
+On a host with torch and a CUDA device it also times torch CUDA tensors (fp16, same shapes),
+synchronising only once after the calls of a repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+
+import tessera
+from tessera import _capi
+
+HEADS_QO, HEADS_KV, DIM, KEYS = 2, 1, 64, 16
+
+
+def best_us(call: Callable[[], object], calls: int, repeats: int,
+            sync: Optional[Callable[[], None]] = None) -> float:
+    for _ in range(min(calls, 1000)):  # warm-up (descriptor caches, allocator, branch history)
+        call()
+    if sync is not None:
+        sync()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        if sync is not None:
+            sync()
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
+
+
+def numpy_cases(workspace: np.ndarray) -> List[Tuple[str, Callable[[], object]]]:
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, HEADS_QO, DIM)).astype(np.float32)
+    k_cache = rng.standard_normal((1, KEYS, HEADS_KV, DIM)).astype(np.float32)
+    v_cache = rng.standard_normal((1, KEYS, HEADS_KV, DIM)).astype(np.float32)
+    paged = (k_cache, v_cache)
+    out = np.empty_like(q)
+
+    decode = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    decode.plan(np.array([0, 1], np.int32), np.array([0], np.int32),
+                np.array([KEYS], np.int32), HEADS_QO, HEADS_KV, DIM, KEYS)
+    k = rng.standard_normal((KEYS, HEADS_KV, DIM)).astype(np.float32)
+    v = rng.standard_normal((KEYS, HEADS_KV, DIM)).astype(np.float32)
+    ragged = tessera.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    ragged.plan(np.array([0, 1], np.int32), np.array([0, KEYS], np.int32), HEADS_QO, HEADS_KV,
+                DIM, causal=True)
+
+    cases = [
+        ("decode  run()", lambda: decode.run(q, paged)),
+        ("decode  run(out=)", lambda: decode.run(q, paged, out=out)),
+        ("ragged  run()", lambda: ragged.run(q, k, v)),
+        ("ragged  run(out=)", lambda: ragged.run(q, k, v, out=out)),
+    ]
+    floor = _ctypes_floor(decode, q, k_cache, v_cache, out, workspace)
+    if floor is not None:
+        cases.append(("decode  ctypes floor", floor))
+    return cases
+
+
+def _ctypes_floor(wrapper, q, k_cache, v_cache, out, workspace) -> Optional[Callable[[], int]]:
+    """The bare tessera_run_decode call with descriptors built once (what run() cannot beat)."""
+    try:
+        from tessera._dlpack import to_dl
+    except ImportError:
+        return None
+    q_dl, k_dl, v_dl = to_dl(q, "q"), to_dl(k_cache, "k"), to_dl(v_cache, "v")
+    o_dl = to_dl(out, "out", writable=True)
+    slots = (wrapper._page_indptr.dl, wrapper._page_indices.dl, wrapper._last_page_len.dl)
+    kv = _capi.PagedKV(ctypes.pointer(k_dl), ctypes.pointer(v_dl), *map(ctypes.pointer, slots),
+                       _capi.TESSERA_KV_LAYOUT_NHD)
+    function = _capi.lib().tessera_run_decode
+    handle, q_ref, kv_ref, o_ref = (wrapper._plan.handle, ctypes.byref(q_dl), ctypes.byref(kv),
+                                    ctypes.byref(o_dl))
+    ws_ptr, ws_bytes = workspace.ctypes.data, workspace.nbytes
+    return lambda: function(handle, q_ref, kv_ref, o_ref, None, ws_ptr, ws_bytes, None)
+
+
+def torch_cases():
+    try:
+        import torch
+    except ImportError:
+        return None, None
+    if not torch.cuda.is_available() or tessera.cuda_device_count() < 1:
+        return None, None
+    device = "cuda"
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    q = torch.randn(1, HEADS_QO, DIM, dtype=torch.float16, device=device)
+    k_cache = torch.randn(1, KEYS, HEADS_KV, DIM, dtype=torch.float16, device=device)
+    v_cache = torch.randn(1, KEYS, HEADS_KV, DIM, dtype=torch.float16, device=device)
+    k, v = k_cache[0].contiguous(), v_cache[0].contiguous()
+    out = torch.empty_like(q)
+    paged = (k_cache, v_cache)
+    decode = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    decode.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                torch.tensor([KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, KEYS)
+    ragged = tessera.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    ragged.plan(torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([0, KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, causal=True)
+    cases = [
+        ("decode  run()  torch cuda", lambda: decode.run(q, paged)),
+        ("decode  run(out=)  torch cuda", lambda: decode.run(q, paged, out=out)),
+        ("ragged  run()  torch cuda", lambda: ragged.run(q, k, v)),
+        ("ragged  run(out=)  torch cuda", lambda: ragged.run(q, k, v, out=out)),
+    ]
+    return cases, torch.cuda.synchronize
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=10000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-cuda", action="store_true", help="skip the torch CUDA cases")
+    args = parser.parse_args()
+
+    tessera.set_num_threads(1)
+    print(f"tessera {tessera.__version__}: per-call microseconds, best of {args.repeats} x "
+          f"{args.calls} calls")
+    workspace = np.empty(16 << 20, np.uint8)
+    for name, call in numpy_cases(workspace):
+        print(f"  {name:32s} {best_us(call, args.calls, args.repeats):7.2f} us  (numpy cpu)")
+    if not args.no_cuda:
+        cases, sync = torch_cases()
+        for name, call in cases or []:
+            print(f"  {name:32s} {best_us(call, args.calls, args.repeats, sync):7.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
