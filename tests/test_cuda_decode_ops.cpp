@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/api_runner.hpp"
 #include "common/attention_testing.hpp"
 #include "common/gpu_test_support.hpp"
 #include "core/backends.hpp"
@@ -49,6 +50,8 @@ namespace {
 using test::AttentionBuffers;
 using test::AttentionCase;
 using test::Outputs;
+using test::options_of;
+using test::run_reference;
 
 using test::chance;
 using test::DeviceBuffer;
@@ -136,18 +139,6 @@ struct DeviceDecodeCase {
     return cache;
   }
 };
-
-AttentionOptions options_of(const AttentionCase& c) {
-  AttentionOptions options;
-  options.causal = c.causal;
-  options.window_left = c.window_left;
-  options.window_right = c.window_right;
-  options.logits_soft_cap = c.soft_cap;
-  options.sm_scale = c.sm_scale;
-  options.k_scale = c.k_scale;
-  options.v_scale = c.v_scale;
-  return options;
-}
 
 int32_t q_per_request(const AttentionCase& c) {
   return c.q_lens.empty() ? 1 : c.q_lens[0];
@@ -239,12 +230,6 @@ AttentionCase random_decode_case(std::mt19937_64& rng, const DecodeCaseOptions& 
   }
   limit_reference_cost(c, options.max_reference_macs);
   return c;
-}
-
-Outputs run_reference(AttentionBuffers& buffers) {
-  test::poison_outputs(buffers);
-  detail::cpu_reference_attention(test::make_problem(buffers));
-  return test::copy_outputs(buffers);
 }
 
 // Runs `plan` through the public run_decode with a NaN-filled workspace.

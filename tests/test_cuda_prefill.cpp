@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/api_runner.hpp"
 #include "common/attention_testing.hpp"
 #include "core/backends.hpp"
 #include "core/planner.hpp"
@@ -38,6 +39,8 @@ using test::AttentionBuffers;
 using test::AttentionCase;
 using test::Comparison;
 using test::Outputs;
+using test::options_of;
+using test::run_reference;
 
 constexpr Device kGpu{DeviceType::kCUDA, 0};
 // The brief's bar for fp16/bf16 outputs (P is rounded to the input dtype before P x V, as in
@@ -177,19 +180,8 @@ struct DeviceCase {
   }
 };
 
-AttentionOptions options_of(const AttentionCase& c) {
-  AttentionOptions options;
-  options.causal = c.causal;
-  options.window_left = c.window_left;
-  options.window_right = c.window_right;
-  options.logits_soft_cap = c.soft_cap;
-  options.sm_scale = c.sm_scale;
-  options.k_scale = c.k_scale;
-  options.v_scale = c.v_scale;
-  return options;
-}
-
-AttentionOp op_of(const AttentionCase& c) {
+// Uniform (decode-style) queries over a paged cache still take the prefill kernels here.
+AttentionOp prefill_op_of(const AttentionCase& c) {
   return c.paged ? AttentionOp::kPagedPrefill : AttentionOp::kRaggedPrefill;
 }
 
@@ -209,7 +201,7 @@ Plan public_plan(const AttentionBuffers& buffers) {
 // workers, so most key ranges are split and merged.
 Plan forced_split_plan(const AttentionCase& c, int32_t num_workers) {
   detail::PlanShape shape;
-  shape.op = op_of(c);
+  shape.op = prefill_op_of(c);
   shape.device = kGpu;
   shape.q_lens = c.q_lens;
   shape.kv_lens = c.kv_lens;
@@ -261,12 +253,6 @@ Outputs run_hand_made(AttentionBuffers& buffers, DeviceCase& device,
                              Workspace{workspace.data(), workspace.bytes()}, nullptr);
   detail::cuda_synchronize(nullptr);
   return device.download();
-}
-
-Outputs run_reference(AttentionBuffers& buffers) {
-  test::poison_outputs(buffers);
-  detail::cpu_reference_attention(test::make_problem(buffers));
-  return test::copy_outputs(buffers);
 }
 
 void expect_close(const AttentionBuffers& buffers, const Outputs& actual, const Outputs& expected,
