@@ -90,6 +90,40 @@ struct PlanConfig {
   bool deterministic = false; // fixed split sizes, independent of the batch composition
 };
 
+// Planning knobs that are not attention maths (so not AttentionOptions): the fixed capacity a
+// plan must fit, for CUDA graphs, and the deterministic split mode.
+//
+// Capacity (max_work_items > 0): the workspace layout is fixed by these maxima instead of by
+// the plan's actual sizes, so every plan made with the same PlanCapacity (and the same shape:
+// op, device, heads, head_dim, page size, options, q_per_request) needs the same
+// workspace_bytes and places its lists at the same offsets. plan_* throws
+// tessera::Error(kInvalidArgument) when the plan does not fit. With a fixed capacity,
+// max_merges == 0 or max_partial_rows == 0 turns split-KV off. plan_capacity() gives bounds that
+// every batch up to a size fits. Graph use (see upload_plan):
+//   1. size every device buffer for the largest batch (q, o, lse, indptr arrays, page table);
+//   2. plan the largest batch with a capacity, upload_plan(), capture run_*() on a stream with
+//      views of the full buffers (the captured launches keep those pointers and strides);
+//   3. per step: write the batch's indices / q into the same buffers, plan with the same
+//      capacity, upload_plan() on the stream (outside the graph), launch the graph.
+//   Rows of requests beyond the current batch are neither read nor written. What the graph
+//   keeps from capture time, and so must not change between its plans: the tensors (pointers,
+//   strides, dtypes, lse present or not), options, heads, head_dim, page size, q_per_request
+//   (decode) and the capacity. The index arrays the kernels read (qo/kv/page indptr,
+//   last_page_len, page_indices) are read only for requests < the current batch size, so
+//   buffers sized for the largest batch serve every smaller one.
+//
+// deterministic: split-KV cuts key ranges at fixed absolute positions (multiples of the
+// backend's minimum chunk), so a query row's arithmetic, and so its bits, never depend on the
+// rest of the batch. Costs some balance on skewed batches.
+struct PlanCapacity {
+  int32_t max_work_items = 0;    // 0: no fixed capacity (layout sized by the plan itself)
+  int32_t max_merges = 0;
+  int64_t max_partial_rows = 0;  // float32 (o, lse) rows of split-KV partials
+  bool deterministic = false;
+
+  bool fixed() const { return max_work_items > 0; }
+};
+
 // The plan of one batch: backend-neutral, built on the host from host lengths. Kernels walk
 // `work` in the order of `worker_indptr` (worker w runs work[worker_indptr[w] .. [w+1])).
 struct Plan {
@@ -110,8 +144,15 @@ struct Plan {
   std::vector<MergeItem> merges;
   int64_t num_partial_rows = 0;
   size_t workspace_bytes = 0;  // what run() needs from the caller
+  PlanCapacity capacity{};     // as passed to plan_*
   double max_worker_cost = 0;  // cost model units (see planner.hpp)
   double total_cost = 0;
+
+  // Set by upload_plan(): the workspace the lists were copied into and the upload's (process
+  // wide, never 0) generation. run_*() with that workspace skips its own upload while no later
+  // upload or run of another plan has overwritten it; otherwise it uploads the lists itself.
+  const void* uploaded_workspace = nullptr;
+  uint64_t upload_generation = 0;
 
   int32_t group_size() const { return num_qo_heads / num_kv_heads; }
   // Human-readable description of the partition (`tessera plan --explain`).
@@ -127,18 +168,46 @@ struct Workspace {
 // ---- plan (host lengths in, Plan out; pure, deterministic) ----
 Plan plan_ragged_prefill(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_indptr,
                          int num_qo_heads, int num_kv_heads, int head_dim,
-                         const AttentionOptions& options, Device device = {});
+                         const AttentionOptions& options, Device device = {},
+                         const PlanCapacity& capacity = {});
 Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int32_t> page_indptr,
                         std::span<const int32_t> last_page_len, int page_size, int num_qo_heads,
                         int num_kv_heads, int head_dim, const AttentionOptions& options,
-                        Device device = {});
+                        Device device = {}, const PlanCapacity& capacity = {});
 // Decode: q_per_request query tokens per request (1, or a few for speculative decoding).
 Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> last_page_len,
                  int page_size, int num_qo_heads, int num_kv_heads, int head_dim,
-                 const AttentionOptions& options, Device device = {}, int q_per_request = 1);
+                 const AttentionOptions& options, Device device = {}, int q_per_request = 1,
+                 const PlanCapacity& capacity = {});
+
+// Capacity that every plan of `op` fits whose batch has at most max_batch requests, at most
+// max_total_q query tokens in all (decode: max_batch x q_per_request) and at most max_kv_len keys
+// per request, for these heads on `device` (an upper bound from the planner's rules: it may
+// overestimate, never underestimate). `deterministic` is copied into the result.
+PlanCapacity plan_capacity(AttentionOp op, int max_batch, int64_t max_total_q, int max_kv_len,
+                           int num_qo_heads, int num_kv_heads, int head_dim, Device device = {},
+                           bool deterministic = false);
+
+// ---- upload (GPU plans: the plan's work list into the workspace) ----
+// Copies the plan's lists (work items, worker ranges, merges) and a small header (their counts,
+// the partial row count) into `workspace` with one cudaMemcpyAsync on `stream` from a pinned
+// staging buffer (a per-device pool; a buffer is reused only once its copy has completed), and
+// returns without synchronising. Records the upload in the plan, so run_*() with this workspace
+// does not upload again. Needed for CUDA graphs: the kernels read every per-plan count from the
+// workspace, so a graph captured around run_*() replays any plan with the same capacity that
+// was uploaded into the same workspace before the replay. Must not be called while `stream`
+// is being captured. CPU plans: no-op. The workspace must be at least plan.workspace_bytes.
+// Uploads are tracked per workspace address: after freeing a workspace and allocating another
+// at the same address, upload again before running an already-uploaded plan with it.
+void upload_plan(Plan& plan, Workspace workspace, void* stream = nullptr);
 
 // ---- run (never allocates, never synchronises the host on GPU) ----
-// `stream` is a cudaStream_t for CUDA tensors and ignored on the CPU.
+// `stream` is a cudaStream_t for CUDA tensors and ignored on the CPU. A GPU plan not uploaded
+// into `workspace` by upload_plan() is uploaded by run itself, from the plan's pageable vectors
+// (as before upload_plan existed: a graph captured that way replays only that plan, and the plan
+// must outlive the graph). For an uploaded plan run only launches; the launch shapes then depend
+// only on the device, the shape and the capacity, and every per-plan count is read from the
+// workspace, so a captured graph replays whichever plan of that capacity was uploaded last.
 void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& qo_indptr,
                         const TensorView& kv_indptr, const TensorView& o, const TensorView& lse,

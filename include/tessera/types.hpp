@@ -57,10 +57,20 @@ struct TensorView {
   int64_t shape[kMaxDims] = {0, 0, 0, 0};
   int64_t stride[kMaxDims] = {0, 0, 0, 0};
 
+  // Element count; 0 for an empty view. Never overflows: a view whose sizes multiply past
+  // 2^63 - 1 gives INT64_MAX, one with a negative size gives -1 (validation rejects both).
   int64_t numel() const {
+    if (ndim == 0) return 0;
+    for (int i = 0; i < ndim; ++i) {
+      if (shape[i] == 0) return 0;
+    }
     int64_t n = 1;
-    for (int i = 0; i < ndim; ++i) n *= shape[i];
-    return ndim == 0 ? 0 : n;
+    for (int i = 0; i < ndim; ++i) {
+      if (shape[i] < 0) return -1;
+      if (n > INT64_MAX / shape[i]) return INT64_MAX;
+      n *= shape[i];
+    }
+    return n;
   }
   int64_t size(int dim) const { return shape[dim]; }
   bool is_contiguous() const;

@@ -188,7 +188,13 @@ class Converter {
   }
 
   Device device_of(DLDevice device, const char* arg) const {
-    switch (device.device_type) {
+    // Read the device type as the int a C caller stored: a value outside DLDeviceType's
+    // enumerators (a newer DLPack, garbage) must be rejected, and loading it as the C++ enum
+    // would be undefined behaviour (UBSan: "not a valid value for type 'DLDeviceType'").
+    static_assert(sizeof(DLDeviceType) == sizeof(int32_t));
+    int32_t device_type;
+    std::memcpy(&device_type, &device.device_type, sizeof device_type);
+    switch (device_type) {
       case kDLCPU:
       case kDLCUDAHost:  // pinned host memory: the CPU reads it like any host memory
         return Device{DeviceType::kCPU, 0};
@@ -198,7 +204,7 @@ class Converter {
              "CUDA managed (unified) memory is not supported; pass a kDLCUDA or kDLCPU "
              "tensor");
       default:
-        fail(arg, "unsupported DLPack device type " + std::to_string(device.device_type) +
+        fail(arg, "unsupported DLPack device type " + std::to_string(device_type) +
                       "; expected kDLCPU (1) or kDLCUDA (2)");
     }
   }

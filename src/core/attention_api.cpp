@@ -70,7 +70,8 @@ std::vector<int32_t> paged_kv_lens(const ArgChecker& check, std::span<const int3
 
 Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_lens,
                 std::vector<int32_t> kv_lens, int num_qo_heads, int num_kv_heads, int head_dim,
-                int page_size, const AttentionOptions& options, Device device) {
+                int page_size, const AttentionOptions& options, Device device,
+                const PlanCapacity& capacity) {
   detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim);
   check_options(check, options);
   detail::check_device_usable(check, device);
@@ -84,6 +85,7 @@ Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_
   shape.head_dim = head_dim;
   shape.page_size = page_size;
   shape.options = options;
+  shape.capacity = capacity;
   return detail::make_plan(
       shape, detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim));
 }
@@ -276,7 +278,8 @@ void check_qo_indptr(const ArgChecker& check, const Plan& plan, const TensorView
 
 Plan plan_ragged_prefill(std::span<const int32_t> qo_indptr, std::span<const int32_t> kv_indptr,
                          int num_qo_heads, int num_kv_heads, int head_dim,
-                         const AttentionOptions& options, Device device) {
+                         const AttentionOptions& options, Device device,
+                         const PlanCapacity& capacity) {
   const ArgChecker check("plan_ragged_prefill");
   check.indptr(qo_indptr, "qo_indptr");
   check.indptr(kv_indptr, "kv_indptr");
@@ -284,13 +287,13 @@ Plan plan_ragged_prefill(std::span<const int32_t> qo_indptr, std::span<const int
                 "expected batch_size + 1 = " + std::to_string(qo_indptr.size()) +
                     " elements like qo_indptr, got " + std::to_string(kv_indptr.size()));
   return build_plan(check, AttentionOp::kRaggedPrefill, diffs(qo_indptr), diffs(kv_indptr),
-                    num_qo_heads, num_kv_heads, head_dim, 0, options, device);
+                    num_qo_heads, num_kv_heads, head_dim, 0, options, device, capacity);
 }
 
 Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int32_t> page_indptr,
                         std::span<const int32_t> last_page_len, int page_size, int num_qo_heads,
                         int num_kv_heads, int head_dim, const AttentionOptions& options,
-                        Device device) {
+                        Device device, const PlanCapacity& capacity) {
   const ArgChecker check("plan_paged_prefill");
   check.indptr(qo_indptr, "qo_indptr");
   std::vector<int32_t> kv_lens = paged_kv_lens(check, page_indptr, last_page_len, page_size);
@@ -298,19 +301,49 @@ Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int3
                 "expected batch_size + 1 = " + std::to_string(qo_indptr.size()) +
                     " elements like qo_indptr, got " + std::to_string(page_indptr.size()));
   return build_plan(check, AttentionOp::kPagedPrefill, diffs(qo_indptr), std::move(kv_lens),
-                    num_qo_heads, num_kv_heads, head_dim, page_size, options, device);
+                    num_qo_heads, num_kv_heads, head_dim, page_size, options, device, capacity);
 }
 
 Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> last_page_len,
                  int page_size, int num_qo_heads, int num_kv_heads, int head_dim,
-                 const AttentionOptions& options, Device device, int q_per_request) {
+                 const AttentionOptions& options, Device device, int q_per_request,
+                 const PlanCapacity& capacity) {
   const ArgChecker check("plan_decode");
   check.require(q_per_request >= 1 && q_per_request <= 64, "q_per_request",
                 "expected 1..64 query tokens per request, got " + std::to_string(q_per_request));
   std::vector<int32_t> kv_lens = paged_kv_lens(check, page_indptr, last_page_len, page_size);
   std::vector<int32_t> q_lens(kv_lens.size(), q_per_request);
   return build_plan(check, AttentionOp::kDecode, std::move(q_lens), std::move(kv_lens),
-                    num_qo_heads, num_kv_heads, head_dim, page_size, options, device);
+                    num_qo_heads, num_kv_heads, head_dim, page_size, options, device, capacity);
+}
+
+PlanCapacity plan_capacity(AttentionOp op, int max_batch, int64_t max_total_q, int max_kv_len,
+                           int num_qo_heads, int num_kv_heads, int head_dim, Device device,
+                           bool deterministic) {
+  const ArgChecker check("plan_capacity");
+  detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim);
+  detail::check_device_usable(check, device);
+  check.require(max_batch >= 1, "max_batch", "expected >= 1, got " + std::to_string(max_batch));
+  check.require(max_total_q >= 0, "max_total_q",
+                "expected >= 0, got " + std::to_string(max_total_q));
+  check.require(max_kv_len >= 0, "max_kv_len",
+                "expected >= 0, got " + std::to_string(max_kv_len));
+  PlanConfig config = detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim);
+  if (deterministic) config.deterministic = true;
+  PlanCapacity capacity = detail::capacity_bound(max_batch, max_total_q, max_kv_len,
+                                                 num_qo_heads, num_kv_heads, config);
+  capacity.deterministic = deterministic;
+  return capacity;
+}
+
+// ---------------------------------------------------------------- upload
+
+void upload_plan(Plan& plan, Workspace workspace, void* stream) {
+  const ArgChecker check("upload_plan");
+  if (plan.device.type == DeviceType::kCPU) return;
+  check_workspace(check, plan, workspace);
+  plan.upload_generation = detail::dispatch_upload_plan(plan, workspace, stream);
+  plan.uploaded_workspace = plan.upload_generation != 0 ? workspace.data : nullptr;
 }
 
 // ---------------------------------------------------------------- run
@@ -397,6 +430,20 @@ void check_one_shot_q(const ArgChecker& check, const TensorView& q) {
   check.tensor(q, "q", 3, "[total_q, num_qo_heads, head_dim]");
 }
 
+// One-shot calls read the index arrays before planning: their totals must fit the tensors
+// first, or a corrupt array (qo_indptr[B] = 2^31 - 1 for a 10-row q) would make the planner
+// build a work list of millions of tiles before the run-time checks reject the call.
+void check_total_fits(const ArgChecker& check, const std::vector<int32_t>& indptr,
+                      const char* arg, int64_t available, const char* what, bool exact) {
+  if (indptr.empty()) return;  // rejected by the planner's checks with a clearer message
+  const int64_t total = indptr.back();
+  if (exact ? total != available : total > available) {
+    check.fail(arg, std::string(arg) + "[batch_size] = " + std::to_string(total) +
+                        (exact ? " does not equal the " : " exceeds the ") +
+                        std::to_string(available) + " " + what);
+  }
+}
+
 }  // namespace
 
 void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -409,6 +456,8 @@ void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& 
   check.index_array(kv_indptr, "kv_indptr", -1, q.device);
   const std::vector<int32_t> qo = detail::read_int32_array(qo_indptr, stream);
   const std::vector<int32_t> kvp = detail::read_int32_array(kv_indptr, stream);
+  check_total_fits(check, qo, "qo_indptr", q.shape[0], "rows of q", /*exact=*/true);
+  check_total_fits(check, kvp, "kv_indptr", k.shape[0], "rows of k", /*exact=*/false);
   const Plan plan = plan_ragged_prefill(qo, kvp, static_cast<int>(q.shape[1]),
                                         static_cast<int>(k.shape[1]),
                                         static_cast<int>(q.shape[2]), options, q.device);
@@ -445,6 +494,10 @@ void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView
   const std::vector<int32_t> qo = detail::read_int32_array(qo_indptr, stream);
   const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
   const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
+  check.index_array(kv.page_indices, "page_indices", -1, q.device);
+  check_total_fits(check, qo, "qo_indptr", q.shape[0], "rows of q", /*exact=*/true);
+  check_total_fits(check, pages, "page_indptr", kv.page_indices.shape[0],
+                   "entries of page_indices", /*exact=*/false);
   const Plan plan =
       plan_paged_prefill(qo, pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
                          num_kv_heads, static_cast<int>(q.shape[2]), options, q.device);
@@ -471,6 +524,9 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
   check.index_array(kv.last_page_len, "last_page_len", batch, q.device);
   const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
   const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
+  check.index_array(kv.page_indices, "page_indices", -1, q.device);
+  check_total_fits(check, pages, "page_indptr", kv.page_indices.shape[0],
+                   "entries of page_indices", /*exact=*/false);
   const Plan plan = plan_decode(pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
                                 num_kv_heads, static_cast<int>(q.shape[2]), options, q.device,
                                 static_cast<int>(q_per_request));

@@ -66,6 +66,15 @@ void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Works
 #endif
 }
 
+uint64_t dispatch_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
+  if (plan.device.type == DeviceType::kCPU) return 0;
+#if defined(TESSERA_HAVE_CUDA)
+  return cuda_upload_plan(plan, workspace, stream);
+#else
+  return 0;
+#endif
+}
+
 ScratchBuffer::ScratchBuffer(Device device, size_t bytes) : device_(device), bytes_(bytes) {
   if (bytes == 0) return;
   if (device.type == DeviceType::kCPU) {

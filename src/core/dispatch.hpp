@@ -18,6 +18,10 @@ PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int 
 void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
                         void* stream);
 
+// Copies a GPU plan's lists into the workspace (one async copy from pinned staging) and returns
+// the upload's generation (never 0). CPU plans: nothing, returns 0.
+uint64_t dispatch_upload_plan(const Plan& plan, Workspace workspace, void* stream);
+
 // Scratch memory on a device for the one-shot calls (host vector or cudaMalloc).
 class ScratchBuffer {
  public:

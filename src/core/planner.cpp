@@ -50,8 +50,48 @@ int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1)
 
 }  // namespace
 
-Plan make_plan(const PlanShape& shape, const PlanConfig& config) {
+PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_kv_len,
+                            int32_t num_qo_heads, int32_t num_kv_heads, const PlanConfig& config) {
+  PlanCapacity capacity;
+  if (max_batch <= 0 || num_kv_heads <= 0) return capacity;
+  const int64_t group = std::max(1, num_qo_heads / num_kv_heads);
+  const int64_t tokens_per_tile = std::max<int64_t>(1, config.q_tile_rows / group);
+  max_total_q = std::max<int64_t>(0, max_total_q);
+  max_kv_len = std::max(0, max_kv_len);
+  // sum_b ceil(q_b / t) <= floor(total / t) + batch; every tile once per kv head.
+  const int64_t tiles = (max_total_q / tokens_per_tile + max_batch) * num_kv_heads;
+  // A split range gives at most ceil(range / min_kv_chunk) pieces (+1: deterministic cuts at
+  // absolute multiples, so the first piece may be short).
+  const bool can_split = config.split_kv && max_kv_len > config.min_kv_chunk;
+  const int64_t pieces =
+      can_split ? (int64_t{max_kv_len} + config.min_kv_chunk - 1) / config.min_kv_chunk + 1 : 1;
+  const auto clamp32 = [](int64_t x) {
+    return static_cast<int32_t>(std::clamp<int64_t>(x, 1, INT32_MAX));
+  };
+  capacity.max_work_items = clamp32(tiles * pieces);
+  capacity.max_merges = can_split ? clamp32(tiles) : 0;
+  // Rows of one tile = its tokens x group; summed over the tiles of one kv head = total_q x group.
+  capacity.max_partial_rows = can_split ? max_total_q * num_qo_heads * pieces : 0;
+  if (capacity.max_partial_rows == 0) capacity.max_merges = 0;
+  return capacity;
+}
+
+Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   const ArgChecker check(std::string("plan_") + op_name(shape.op));
+  const PlanCapacity& capacity = shape.capacity;
+  PlanConfig config = requested_config;
+  if (capacity.deterministic) config.deterministic = true;
+  if (capacity.fixed()) {
+    check.require(capacity.max_merges >= 0 && capacity.max_partial_rows >= 0, "capacity",
+                  "expected max_merges >= 0 and max_partial_rows >= 0");
+    if (capacity.max_merges == 0 || capacity.max_partial_rows == 0) config.split_kv = false;
+  } else {
+    check.require(capacity.max_work_items == 0 && capacity.max_merges == 0 &&
+                      capacity.max_partial_rows == 0,
+                  "capacity",
+                  "max_work_items is 0 (no fixed capacity) but max_merges / max_partial_rows "
+                  "are set; set max_work_items (> 0) to fix the capacity");
+  }
   const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
   if (config.q_tile_rows < group) {
     check.unsupported("num_qo_heads", "a GQA group of " + std::to_string(group) +
@@ -72,6 +112,7 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& config) {
   plan.page_size = shape.page_size;
   plan.options = shape.options;
   plan.config = config;
+  plan.capacity = capacity;
   plan.q_lens = shape.q_lens;
   plan.kv_lens = shape.kv_lens;
   for (int32_t len : shape.q_lens) plan.total_q += len;
@@ -190,6 +231,23 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& config) {
   plan.total_cost = total_cost;
   plan.max_worker_cost =
       worker_cost.empty() ? 0.0 : *std::max_element(worker_cost.begin(), worker_cost.end());
+  if (capacity.fixed()) {
+    const auto exceeds = [&](const char* what, int64_t needed, int64_t limit) {
+      if (needed > limit) {
+        check.fail("capacity", std::string("the plan exceeds its fixed capacity: it needs ") +
+                                   std::to_string(needed) + " " + what + ", capacity." +
+                                   (what[0] == 'w' ? "max_work_items"
+                                    : what[0] == 'm' ? "max_merges"
+                                                     : "max_partial_rows") +
+                                   " = " + std::to_string(limit) +
+                                   " (plan the largest batch's capacity, e.g. with "
+                                   "plan_capacity())");
+      }
+    };
+    exceeds("work items", static_cast<int64_t>(plan.work.size()), capacity.max_work_items);
+    exceeds("merges", static_cast<int64_t>(plan.merges.size()), capacity.max_merges);
+    exceeds("partial rows", plan.num_partial_rows, capacity.max_partial_rows);
+  }
   plan.workspace_bytes = WorkspaceLayout::of(plan).total;
   return plan;
 }
@@ -221,6 +279,10 @@ std::string Plan::explain() const {
   out << "  work items " << work.size() << " (" << merges.size() << " tiles split into "
       << split_pieces << " pieces), partial rows " << num_partial_rows << ", workspace "
       << workspace_bytes << " bytes\n";
+  if (capacity.fixed()) {
+    out << "  fixed capacity: " << capacity.max_work_items << " work items, "
+        << capacity.max_merges << " merges, " << capacity.max_partial_rows << " partial rows\n";
+  }
   const int32_t workers = static_cast<int32_t>(worker_indptr.size()) - 1;
   int32_t busy = 0;
   for (int32_t w = 0; w < workers; ++w) busy += worker_indptr[w + 1] > worker_indptr[w];

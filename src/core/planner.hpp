@@ -26,6 +26,10 @@ struct PlanShape {
   int32_t head_dim = 0;
   int32_t page_size = 0;
   AttentionOptions options{};
+  // Fixed workspace capacity and deterministic mode (see PlanCapacity). make_plan applies
+  // capacity.deterministic and, for a fixed capacity without merge or partial room, turns
+  // split-KV off; it throws tessera::Error(kInvalidArgument) when the plan does not fit.
+  PlanCapacity capacity{};
 };
 
 // Cost-model weights, in units of one (query row, key) pair.
@@ -35,6 +39,11 @@ inline constexpr double kCostPerItem = 2048.0;    // launch/prologue/epilogue of
 inline constexpr int32_t kSplitAlignment = 64;
 
 MaskSpec mask_of(const AttentionOptions& options);
+
+// Upper bound on the lists of any plan with at most max_batch requests, max_total_q query tokens
+// and max_kv_len keys per request under `config` (PlanCapacity::fixed() unless max_batch <= 0).
+PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_kv_len,
+                            int32_t num_qo_heads, int32_t num_kv_heads, const PlanConfig& config);
 
 // Builds the plan; the caller has validated the shape. `config.q_tile_rows` must be >= the GQA
 // group size (checked; throws tessera::Error otherwise).

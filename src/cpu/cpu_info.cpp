@@ -207,6 +207,19 @@ int usable_logical_cpus() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
+#if defined(TESSERA_X86)
+// F16C straight from CPUID leaf 1 (ECX bit 29): clang < 15 rejects
+// __builtin_cpu_supports("f16c"). The OS-saves-YMM part is covered by the avx2 check.
+// Read once: CPUID traps (and is slow) in a VM, and every fast-path run checks the ISA.
+static bool cpu_has_f16c() {
+  static const bool has_f16c = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 29)) != 0;
+  }();
+  return has_f16c;
+}
+#endif
+
 bool cpu_supports(CpuIsa isa) {
 #if defined(TESSERA_X86)
   // libgcc's feature bits also check that the OS saves the wide registers (XCR0).
@@ -214,7 +227,7 @@ bool cpu_supports(CpuIsa isa) {
     case CpuIsa::kGeneric: return true;
     case CpuIsa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-             __builtin_cpu_supports("f16c");
+             cpu_has_f16c();
     case CpuIsa::kAvx512:
       return cpu_supports(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&

@@ -1,12 +1,18 @@
-// CUDA backend entry for attention: uploads the plan's lists into the workspace, checks what
-// the kernels need from the arguments and the device, and launches prefill (sm80 kernels) or
-// decode, then the merge of split-KV partials.
+// CUDA backend entry for attention: uploads the plan's lists into the workspace (upload_plan's
+// pinned one-copy path, or run()'s own fallback), checks what the kernels need from the
+// arguments and the device, and launches prefill (sm80 kernels) or decode, then the merge of
+// split-KV partials.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <bit>
 #include <numbers>
 #include <string>
 #include <utility>
@@ -50,6 +56,137 @@ void upload_list(const std::vector<T>& list, void* device_base, size_t offset,
   check_cuda(cudaMemcpyAsync(static_cast<unsigned char*>(device_base) + offset, list.data(),
                              list.size() * sizeof(T), cudaMemcpyHostToDevice, stream),
              "cudaMemcpyAsync (plan upload into the workspace)");
+}
+
+bool stream_is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// ---- pinned staging for upload_plan ----
+// Blocks of pinned host memory, each with an event recorded after the copy that reads it; a
+// block is reused only once its event has completed (polled, never waited for, unless the pool
+// is at its cap). Blocks live until the process ends (the pool is leaked on purpose: no CUDA
+// calls from static destructors).
+struct StagingBlock {
+  int device = 0;
+  void* host = nullptr;
+  size_t bytes = 0;
+  cudaEvent_t done = nullptr;
+  bool recorded = false;
+};
+
+class StagingPool {
+ public:
+  static StagingPool& instance() {
+    static StagingPool* pool = new StagingPool();
+    return *pool;
+  }
+
+  // Copies `bytes` produced by `fill` to `device_dst` with one cudaMemcpyAsync on `stream`.
+  template <class Fill>
+  void upload(int device, void* device_dst, size_t bytes, cudaStream_t stream, Fill&& fill) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    StagingBlock& block = acquire(device, bytes);
+    fill(block.host);
+    check_cuda(cudaMemcpyAsync(device_dst, block.host, bytes, cudaMemcpyHostToDevice, stream),
+               "cudaMemcpyAsync (upload_plan: pinned staging -> workspace)");
+    check_cuda(cudaEventRecord(block.done, stream), "cudaEventRecord (upload_plan staging)");
+    block.recorded = true;
+  }
+
+ private:
+  static constexpr size_t kMinBlockBytes = size_t{64} << 10;
+  static constexpr size_t kMaxBlocksPerDevice = 64;
+
+  bool is_free(StagingBlock& block) {
+    if (!block.recorded) return true;
+    const cudaError_t status = cudaEventQuery(block.done);
+    if (status == cudaSuccess) {
+      block.recorded = false;
+      return true;
+    }
+    if (status == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: keep it out of later launch checks
+      return false;
+    }
+    check_cuda(status, "cudaEventQuery (upload_plan staging)");
+    return false;
+  }
+
+  StagingBlock& acquire(int device, size_t bytes) {
+    StagingBlock* oldest_fitting = nullptr;
+    size_t count = 0;
+    for (auto& block : blocks_) {
+      if (block->device != device) continue;
+      ++count;
+      if (block->bytes < bytes) continue;
+      if (is_free(*block)) return *block;
+      if (oldest_fitting == nullptr) oldest_fitting = block.get();
+    }
+    if (count >= kMaxBlocksPerDevice && oldest_fitting != nullptr) {
+      // More uploads in flight than the cap: wait for the oldest that fits (rare).
+      check_cuda(cudaEventSynchronize(oldest_fitting->done),
+                 "cudaEventSynchronize (upload_plan staging)");
+      oldest_fitting->recorded = false;
+      return *oldest_fitting;
+    }
+    auto block = std::make_unique<StagingBlock>();
+    block->device = device;
+    block->bytes = std::max(kMinBlockBytes, std::bit_ceil(bytes));
+    check_cuda(cudaHostAlloc(&block->host, block->bytes, cudaHostAllocPortable),
+               "cudaHostAlloc (upload_plan staging)");
+    check_cuda(cudaEventCreateWithFlags(&block->done, cudaEventDisableTiming),
+               "cudaEventCreate (upload_plan staging)");
+    blocks_.push_back(std::move(block));
+    return *blocks_.back();
+  }
+
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<StagingBlock>> blocks_;
+};
+
+// Which upload each workspace holds last: upload_plan's generation, or 0 after run()'s own
+// upload. run() skips its upload only for a plan whose generation is still its workspace's.
+class UploadRegistry {
+ public:
+  static UploadRegistry& instance() {
+    static UploadRegistry* registry = new UploadRegistry();
+    return *registry;
+  }
+  uint64_t next_generation() { return next_.fetch_add(1, std::memory_order_relaxed); }
+  void set(const void* workspace, uint64_t generation) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (generation == 0) {
+      latest_.erase(workspace);
+    } else {
+      latest_[workspace] = generation;
+    }
+  }
+  bool holds(const void* workspace, uint64_t generation) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = latest_.find(workspace);
+    return it != latest_.end() && it->second == generation;
+  }
+
+ private:
+  std::atomic<uint64_t> next_{1};
+  std::mutex mutex_;
+  std::unordered_map<const void*, uint64_t> latest_;
+};
+
+void check_workspace_fits(const WorkspaceLayout& layout, Workspace workspace, const char* who) {
+  if (workspace.bytes < layout.total || (layout.total > 0 && workspace.data == nullptr)) {
+    throw Error(Error::Kind::kInvalidArgument,
+                std::string(who) + ": workspace: the plan needs " + std::to_string(layout.total) +
+                    " bytes, got " +
+                    std::to_string(workspace.data == nullptr ? 0 : workspace.bytes));
+  }
+  if (reinterpret_cast<uintptr_t>(workspace.data) % kVectorBytes != 0) {
+    throw Error(Error::Kind::kInvalidArgument,
+                std::string(who) + ": workspace: data must be 16-byte aligned");
+  }
 }
 
 void check_prefill_arguments(const Plan& plan, const AttentionProblem& problem,
@@ -103,8 +240,10 @@ void check_prefill_arguments(const Plan& plan, const AttentionProblem& problem,
                        {problem.kv.v_stride_page, paged}});
 }
 
+// header_uploaded: see cuda_decode_attention.
 void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned char* workspace,
-                 const WorkspaceLayout& layout, const CudaDeviceInfo& info, cudaStream_t stream) {
+                 const WorkspaceLayout& layout, const CudaDeviceInfo& info, cudaStream_t stream,
+                 bool header_uploaded) {
   check_prefill_arguments(plan, problem, info);
   const bool soft_cap = problem.soft_cap != 0.0f;
   const sm80::PrefillKernel* kernel =
@@ -138,14 +277,21 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
   } else {
     args.score_scale_log2 = problem.sm_scale * kLog2e;
   }
-  if (plan.work.empty() || args.num_workers == 0) return;  // nothing to attend (no queries)
+  // Nothing to attend (no queries). A fixed-capacity plan launches anyway: a graph captured
+  // with it must serve later plans of that capacity (an empty worker range is a no-op).
+  if (args.num_workers == 0 || (plan.work.empty() && !plan.capacity.fixed())) return;
   kernel->launch(args, stream);
 
-  if (!plan.merges.empty()) {
+  const int64_t merge_slots =
+      header_uploaded ? layout.merge_slots : static_cast<int64_t>(plan.merges.size());
+  if (merge_slots > 0) {
     sm80::MergeArgs merge;
     merge.problem = problem;
     merge.merges = reinterpret_cast<const MergeItem*>(workspace + layout.merges);
-    merge.num_merges = static_cast<int32_t>(plan.merges.size());
+    merge.header = header_uploaded
+                       ? reinterpret_cast<const PlanHeader*>(workspace + layout.header)
+                       : nullptr;
+    merge.max_merges = static_cast<int32_t>(merge_slots);
     merge.partial_o = args.partial_o;
     merge.partial_lse = args.partial_lse;
     sm80::launch_merge_partials(merge, info.num_sms, stream);
@@ -153,6 +299,31 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
 }
 
 }  // namespace
+
+uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
+  if (plan.device.type != DeviceType::kCUDA) {
+    throw Error(Error::Kind::kInvalidArgument,
+                "upload_plan: plan built for " + device_name(plan.device) +
+                    ", not for a CUDA device");
+  }
+  CudaDeviceGuard guard(plan.device.index);
+  const WorkspaceLayout layout = WorkspaceLayout::of(plan);
+  check_workspace_fits(layout, workspace, "upload_plan");
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  if (stream_is_capturing(cuda_stream)) {
+    throw Error(Error::Kind::kInvalidArgument,
+                "upload_plan: the stream is being captured into a CUDA graph; upload plans "
+                "outside the capture (before it, and before each replay)");
+  }
+  UploadRegistry& registry = UploadRegistry::instance();
+  const uint64_t generation = registry.next_generation();
+  auto* base = static_cast<unsigned char*>(workspace.data);
+  StagingPool::instance().upload(
+      plan.device.index, base + layout.header, layout.upload_bytes(plan), cuda_stream,
+      [&](void* image) { layout.write_upload_image(plan, generation, image); });
+  registry.set(workspace.data, generation);
+  return generation;
+}
 
 void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
                         void* stream) {
@@ -163,27 +334,30 @@ void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Works
   CudaDeviceGuard guard(plan.device.index);
   const CudaDeviceInfo& info = cuda_device_info(plan.device.index);
   const WorkspaceLayout layout = WorkspaceLayout::of(plan);
-  if (workspace.bytes < layout.total || (layout.total > 0 && workspace.data == nullptr)) {
-    throw Error(Error::Kind::kInvalidArgument,
-                "workspace: the plan needs " + std::to_string(layout.total) + " bytes, got " +
-                    std::to_string(workspace.data == nullptr ? 0 : workspace.bytes));
-  }
-  if (reinterpret_cast<uintptr_t>(workspace.data) % kVectorBytes != 0) {
-    throw Error(Error::Kind::kInvalidArgument, "workspace: data must be 16-byte aligned");
-  }
+  check_workspace_fits(layout, workspace, "run");
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   auto* base = static_cast<unsigned char*>(workspace.data);
-  // Plan lists go from the plan's host vectors into the workspace, in stream order before the
-  // kernels that read them.
-  upload_list(plan.work, base, layout.work, cuda_stream);
-  upload_list(plan.worker_indptr, base, layout.worker_indptr, cuda_stream);
-  upload_list(plan.merges, base, layout.merges, cuda_stream);
+  UploadRegistry& registry = UploadRegistry::instance();
+  const bool uploaded = plan.upload_generation != 0 &&
+                        plan.uploaded_workspace == workspace.data &&
+                        registry.holds(workspace.data, plan.upload_generation);
+  if (!uploaded) {
+    // Fallback (plan not uploaded by upload_plan), the behaviour from before upload_plan: the
+    // lists go from the plan's pageable host vectors into the workspace, in stream order before
+    // the kernels that read them (a capture records these copies from the plan's memory, which
+    // must then outlive the graph; the Python wrapper relies on that). No header: the merge
+    // count is passed by value.
+    registry.set(workspace.data, 0);
+    upload_list(plan.worker_indptr, base, layout.worker_indptr, cuda_stream);
+    upload_list(plan.merges, base, layout.merges, cuda_stream);
+    upload_list(plan.work, base, layout.work, cuda_stream);
+  }
 
   if (plan.op == AttentionOp::kDecode) {
-    cuda_decode_attention(plan, problem, workspace, stream);
+    cuda_decode_attention(plan, problem, workspace, stream, uploaded);
     return;
   }
-  run_prefill(plan, problem, base, layout, info, cuda_stream);
+  run_prefill(plan, problem, base, layout, info, cuda_stream, uploaded);
 }
 
 }  // namespace tessera::detail

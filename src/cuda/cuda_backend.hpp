@@ -30,7 +30,14 @@ int cuda_current_device();
 PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int head_dim,
                             DType kv_dtype_hint, int device);
 
-// Attention: uploads the plan's lists into the workspace (WorkspaceLayout) and launches the
+// Copies the plan's header and lists into the workspace (WorkspaceLayout) with one
+// cudaMemcpyAsync from a pinned staging buffer of a per-device pool; does not synchronise.
+// Returns the upload's generation (never 0), remembered per workspace pointer so that
+// cuda_run_attention can tell whether a plan's upload is still the workspace's latest.
+uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream);
+
+// Attention: uploads the plan's lists into the workspace (WorkspaceLayout) unless the plan was
+// uploaded there by cuda_upload_plan and nothing has overwritten it since, and launches the
 // prefill or decode kernel, then the merge of split-KV partials.
 void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
                         void* stream);

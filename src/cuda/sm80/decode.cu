@@ -154,8 +154,10 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
 }
 
 void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
-                           void* stream) {
-  if (plan.work.empty() || plan.worker_indptr.size() < 2) return;
+                           void* stream, bool header_uploaded) {
+  // Nothing to attend. A fixed-capacity plan launches anyway: a graph captured with it must
+  // serve later plans of that capacity (an empty worker range is a no-op).
+  if (plan.worker_indptr.size() < 2 || (plan.work.empty() && !plan.capacity.fixed())) return;
   if (!problem.kv.paged) unsupported("the CUDA decode kernel reads a paged KV cache");
   if (problem.qo_indptr != nullptr) {
     unsupported("the CUDA decode kernel takes q_per_request rows per request, not qo_indptr");
@@ -224,11 +226,17 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
 
   // Split-KV pieces wrote float partials: combine them into o / lse (same stream, so after the
   // decode kernel).
-  if (!plan.merges.empty()) {
+  // Uploaded by upload_plan: the merge grid depends on the merge slots (the capacity), its count
+  // on the uploaded header.
+  const int64_t merge_slots =
+      header_uploaded ? layout.merge_slots : static_cast<int64_t>(plan.merges.size());
+  if (merge_slots > 0) {
     sm80::MergeArgs merge;
     merge.problem = problem;
     merge.merges = reinterpret_cast<const MergeItem*>(base + layout.merges);
-    merge.num_merges = static_cast<int32_t>(plan.merges.size());
+    merge.header =
+        header_uploaded ? reinterpret_cast<const PlanHeader*>(base + layout.header) : nullptr;
+    merge.max_merges = static_cast<int32_t>(merge_slots);
     merge.partial_o = args.partial_o;
     merge.partial_lse = args.partial_lse;
     sm80::launch_merge_partials(merge, info.num_sms, stream);

@@ -14,7 +14,10 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
 
 // Runs a decode plan: the plan's lists are already uploaded into `workspace`
 // (WorkspaceLayout); launches the decode kernel and the merge of its split-KV partials.
+// header_uploaded: the workspace's PlanHeader is this plan's (upload_plan), so the merge grid
+// covers the capacity and reads its count from the header; otherwise (run()'s own upload) the
+// count is the plan's, passed by value.
 void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
-                           void* stream);
+                           void* stream, bool header_uploaded);
 
 }  // namespace tessera::detail

@@ -45,7 +45,11 @@ __global__ void __launch_bounds__(kMergeThreads)
   const int32_t head_dim = problem.head_dim;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  for (int32_t index = blockIdx.x; index < args.num_merges; index += gridDim.x) {
+  // The count comes from the uploaded header (graph replays see the current plan's), capped by
+  // the slots the workspace holds.
+  const int32_t num_merges =
+      args.header != nullptr ? min(args.header->num_merges, args.max_merges) : args.max_merges;
+  for (int32_t index = blockIdx.x; index < num_merges; index += gridDim.x) {
     const MergeItem item = args.merges[index];
     const int32_t rows = item.q_len * group;
     const int32_t q_begin = problem.q_begin(item.request);
@@ -118,7 +122,7 @@ __global__ void __launch_bounds__(kMergeThreads)
 template <DType kDType>
 void launch_merge(const MergeArgs& args, int num_sms, cudaStream_t stream, const char* name) {
   const dim3 grid(
-      static_cast<unsigned>(std::min(args.num_merges, std::max(num_sms, 1) * kBlocksPerSm)));
+      static_cast<unsigned>(std::min(args.max_merges, std::max(num_sms, 1) * kBlocksPerSm)));
   const dim3 block(kMergeThreads);
   merge_partials_kernel<kDType><<<grid, block, 0, stream>>>(args);
   check_kernel_launch(name, grid, block, 0);
@@ -127,7 +131,7 @@ void launch_merge(const MergeArgs& args, int num_sms, cudaStream_t stream, const
 }  // namespace
 
 void launch_merge_partials(const MergeArgs& args, int num_sms, void* stream) {
-  if (args.num_merges <= 0) return;
+  if (args.max_merges <= 0) return;
   if (args.problem.head_dim > kMaxHeadDim || args.problem.head_dim % 4 != 0) {
     throw Error(Error::Kind::kUnsupported,
                 "merge_partials: head_dim " + std::to_string(args.problem.head_dim) +

@@ -7,6 +7,7 @@
 #include <cstdlib>
 
 #include "core/problem.hpp"
+#include "core/workspace_layout.hpp"
 #include "tessera/attention.hpp"
 #include "tessera/types.hpp"
 
@@ -98,7 +99,10 @@ inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool 
 struct MergeArgs {
   AttentionProblem problem;           // device pointers; o / lse are written
   const MergeItem* merges = nullptr;  // uploaded plan.merges
-  int32_t num_merges = 0;
+  // With header: min(header->num_merges, max_merges) items are merged (the count of the plan
+  // uploaded last; graph replays); without (null): max_merges items.
+  const PlanHeader* header = nullptr;
+  int32_t max_merges = 0;  // merge slots: sizes the grid
   const float* partial_o = nullptr;
   const float* partial_lse = nullptr;
 };

@@ -174,8 +174,12 @@ __device__ __forceinline__ void online_softmax(
       new_max = ptx::quad_max(new_max);
       // A row that has seen only masked keys keeps max = -inf; using 0 as the exponent base
       // then turns every 2^(-inf - base) into an exact 0 instead of NaN (-inf - -inf).
-      const float base = new_max == -INFINITY ? 0.0f : new_max * scale;
-      const float correction = ptx::ex2_approx(state.row_max[m][h] * scale - base);
+      // The exponent is s * scale - base with the product rounded on its own (no FMA): the row's
+      // maximum then gives exactly 2^0 = 1. With fmaf(s, scale, -base) it gives 2^r, r the
+      // rounding error of base, which for logits beyond ~2^30 (fp16 inputs near 65504) reaches
+      // hundreds and underflows every P of the row to 0 (0/0 = NaN in the epilogue).
+      const float base = new_max == -INFINITY ? 0.0f : __fmul_rn(new_max, scale);
+      const float correction = ptx::ex2_approx(__fmul_rn(state.row_max[m][h], scale) - base);
       state.row_max[m][h] = new_max;
       float sum = state.row_sum[m][h] * correction;
 #pragma unroll
@@ -187,7 +191,7 @@ __device__ __forceinline__ void online_softmax(
       for (int n = 0; n < Traits::kScoreCols; ++n) {
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
-          acc_s[m][n][e] = ptx::ex2_approx(fmaf(acc_s[m][n][e], scale, -base));
+          acc_s[m][n][e] = ptx::ex2_approx(__fmul_rn(acc_s[m][n][e], scale) - base);
         }
       }
       if constexpr (Traits::kTreeReduce) {
@@ -506,7 +510,9 @@ const PrefillKernel* select_prefill_variant(DType dtype, bool soft_cap) {
   switch (chosen >= 0 ? chosen : kDefaultPrefillVariant<kHeadDim>) {
     case 1: return select_prefill_kernel<PrefillVariantTraits<kHeadDim, 1>>(dtype, soft_cap);
     case 2:
-      if (!PrefillVariantTraits<kHeadDim, 2>::kNeedsSm90 || current_device_is_sm90()) {
+      if constexpr (kHeadDim == 128) {
+        return select_prefill_kernel<PrefillVariantTraits<kHeadDim, 1>>(dtype, soft_cap);
+      } else if (!PrefillVariantTraits<kHeadDim, 2>::kNeedsSm90 || current_device_is_sm90()) {
         return select_prefill_kernel<PrefillVariantTraits<kHeadDim, 2>>(dtype, soft_cap);
       }
       return select_prefill_kernel<PrefillTraits<kHeadDim>>(dtype, soft_cap);

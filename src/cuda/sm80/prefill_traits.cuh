@@ -142,27 +142,19 @@ template <>
 struct PrefillVariantTraits<64, 2> : PrefillShape<64, 128, 64, 8, 2, 2, 2> {};
 template <>
 struct PrefillVariantTraits<128, 1> : PrefillShape<128, 128, 64, 4, 1, 1, 1> {};
-template <>
-struct PrefillVariantTraits<128, 2> : PrefillShape<128, 128, 64, 4, 2, 1, 2> {
-  // sm_80 ptxas spills 120 bytes here, and an A100 SM could not hold 2 of these CTAs anyway.
-  static constexpr bool kNeedsSm90 = true;
-};
+// d128 has no variant 2: its 2-stage shape measured 2% slower than variant 0 on the H200
+// (docs/PERF.md, v2) and spills once the softmax exponent is computed without FMA; variant 2
+// selects variant 1 at d128 (prefill_kernel.cuh).
 template <>
 struct PrefillVariantTraits<256, 1> : PrefillShape<256, 128, 64, 8, 1, 1, 1> {};
 template <>
 struct PrefillVariantTraits<256, 2> : PrefillShape<256, 128, 64, 8, 2, 1, 2> {};
 
-// Traits of the soft-cap kernel paired with a shape: the same shape, except where the soft-cap
-// math pushes a shape past 255 registers. d128 variant 2 (2 stages) spills 16 bytes with soft-cap
-// on (nvcc 13.0, sm_90a), so its soft-cap kernel is variant 1's (same 128 x 64 tile, 1 stage):
-// BLOCK_M and BLOCK_N, all the planner depends on, are equal.
+// Traits of the soft-cap kernel paired with a shape (a hook for shapes whose soft-cap math would
+// exceed 255 registers; none needs it today).
 template <class Traits>
 struct PrefillSoftCapTraits {
   using type = Traits;
-};
-template <>
-struct PrefillSoftCapTraits<PrefillVariantTraits<128, 2>> {
-  using type = PrefillVariantTraits<128, 1>;
 };
 
 // Query rows per work item that the planner should use for a head_dim served by these kernels.

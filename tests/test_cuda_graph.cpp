@@ -1,0 +1,683 @@
+// Fixed-capacity plans, upload_plan and CUDA graphs.
+//
+// CPU part (runs everywhere): a plan over its capacity fails with a clear error, plans of one
+// capacity share one workspace size, and plan_capacity() bounds every batch it promises to.
+//
+// GPU part (skips without a device): a CUDA graph captured around run_decode /
+// run_ragged_prefill with the largest batch's plan is replayed for many random smaller batches:
+// each step writes the batch's indices and q into the same device buffers, plans with the same
+// capacity, upload_plan()s on the stream (outside the graph), poisons o / lse with NaN and
+// replays; rows are compared with a double-precision reference (every row every 50th step, a few
+// random rows otherwise). Also: upload_plan + run equals plain run bit for bit, a stale upload
+// (another plan uploaded into the workspace since) is detected by run, upload_plan refuses a
+// capturing stream, and capturing run with a plan that was not uploaded (the pre-upload_plan
+// way, used by the Python wrapper) still replays that plan.
+// TESSERA_TEST_REDUCED=1 shrinks the step counts; TESSERA_TEST_SEED varies the random run.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/gpu_test_support.hpp"
+#include "core/half.hpp"
+#include "core/problem.hpp"
+#include "tessera/attention.hpp"
+#include "tessera/types.hpp"
+
+#if defined(TESSERA_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace tessera {
+namespace {
+
+// ============================================================================ CPU: capacity
+
+std::vector<int32_t> indptr_of(const std::vector<int32_t>& lengths) {
+  std::vector<int32_t> indptr(lengths.size() + 1, 0);
+  for (size_t i = 0; i < lengths.size(); ++i) indptr[i + 1] = indptr[i] + lengths[i];
+  return indptr;
+}
+
+// Paged indices for kv lengths: page counts (indptr) and last page lengths.
+void paged_lengths(const std::vector<int32_t>& kv_lens, int page_size,
+                   std::vector<int32_t>* page_indptr, std::vector<int32_t>* last_page_len) {
+  page_indptr->assign(kv_lens.size() + 1, 0);
+  last_page_len->assign(kv_lens.size(), 1);
+  for (size_t b = 0; b < kv_lens.size(); ++b) {
+    const int32_t pages = (kv_lens[b] + page_size - 1) / page_size;
+    (*page_indptr)[b + 1] = (*page_indptr)[b] + pages;
+    (*last_page_len)[b] = pages == 0 ? 1 : kv_lens[b] - (pages - 1) * page_size;
+  }
+}
+
+TEST(PlanCapacity, PlanOverCapacityIsAClearError) {
+  std::vector<int32_t> indptr, last;
+  paged_lengths({4096, 4096, 300}, 16, &indptr, &last);
+  PlanCapacity capacity;
+  capacity.max_work_items = 2;  // far too small
+  capacity.max_merges = 1;
+  capacity.max_partial_rows = 16;
+  try {
+    (void)plan_decode(indptr, last, 16, 8, 2, 64, {}, Device{}, 1, capacity);
+    FAIL() << "expected tessera::Error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.kind(), Error::Kind::kInvalidArgument);
+    const std::string message = error.what();
+    EXPECT_NE(message.find("exceeds its fixed capacity"), std::string::npos) << message;
+    EXPECT_NE(message.find("max_work_items"), std::string::npos) << message;
+  }
+  // Set maxima without max_work_items: refused (ambiguous).
+  PlanCapacity partial;
+  partial.max_merges = 4;
+  EXPECT_THROW((void)plan_decode(indptr, last, 16, 8, 2, 64, {}, Device{}, 1, partial), Error);
+}
+
+TEST(PlanCapacity, FixedCapacityWithoutMergeRoomTurnsSplitKvOff) {
+  std::vector<int32_t> indptr, last;
+  paged_lengths({8192}, 16, &indptr, &last);
+  PlanCapacity capacity;
+  capacity.max_work_items = 64;
+  const Plan plan = plan_decode(indptr, last, 16, 8, 2, 64, {}, Device{}, 1, capacity);
+  EXPECT_TRUE(plan.merges.empty());
+  EXPECT_EQ(plan.num_partial_rows, 0);
+  EXPECT_FALSE(plan.config.split_kv);
+}
+
+TEST(PlanCapacity, BoundHoldsAndFixesTheWorkspace) {
+  std::mt19937_64 rng(20251203ull);
+  const auto uniform = [&](int32_t lo, int32_t hi) {
+    return std::uniform_int_distribution<int32_t>(lo, hi)(rng);
+  };
+  for (const bool deterministic : {false, true}) {
+    // Decode: 32 requests, up to 4096 keys.
+    const PlanCapacity decode_capacity =
+        plan_capacity(AttentionOp::kDecode, 32, 32 * 2, 4096, 16, 4, 128, Device{}, deterministic);
+    EXPECT_TRUE(decode_capacity.fixed());
+    EXPECT_EQ(decode_capacity.deterministic, deterministic);
+    size_t workspace_bytes = 0;
+    for (int step = 0; step < 200; ++step) {
+      const int32_t batch = step == 0 ? 32 : uniform(1, 32);
+      std::vector<int32_t> kv_lens(batch);
+      for (auto& len : kv_lens) len = uniform(0, 4) == 0 ? uniform(0, 4096) : uniform(3000, 4096);
+      if (step % 7 == 1) kv_lens.assign(1, 4096);  // one long request: the most splits
+      std::vector<int32_t> indptr, last;
+      paged_lengths(kv_lens, 16, &indptr, &last);
+      Plan plan;
+      ASSERT_NO_THROW(plan = plan_decode(indptr, last, 16, 16, 4, 128, {}, Device{}, 2,
+                                         decode_capacity))
+          << "step " << step;
+      EXPECT_EQ(plan.config.deterministic, deterministic);
+      if (workspace_bytes == 0) workspace_bytes = plan.workspace_bytes;
+      EXPECT_EQ(plan.workspace_bytes, workspace_bytes) << "step " << step;
+    }
+    // Ragged causal prefill: 8 requests, 1024 query tokens in all, up to 2048 keys each.
+    AttentionOptions causal;
+    causal.causal = true;
+    const PlanCapacity prefill_capacity = plan_capacity(AttentionOp::kRaggedPrefill, 8, 1024,
+                                                        2048, 8, 2, 64, Device{}, deterministic);
+    workspace_bytes = 0;
+    for (int step = 0; step < 200; ++step) {
+      const int32_t batch = uniform(1, 8);
+      std::vector<int32_t> q_lens(batch), kv_lens(batch);
+      int32_t budget = 1024;
+      for (int32_t b = 0; b < batch; ++b) {
+        q_lens[b] = std::min(budget, uniform(0, 1024 / batch + 40));
+        budget -= q_lens[b];
+        kv_lens[b] = uniform(q_lens[b], 2048);
+      }
+      Plan plan;
+      ASSERT_NO_THROW(plan = plan_ragged_prefill(indptr_of(q_lens), indptr_of(kv_lens), 8, 2, 64,
+                                                 causal, Device{}, prefill_capacity))
+          << "step " << step;
+      if (workspace_bytes == 0) workspace_bytes = plan.workspace_bytes;
+      EXPECT_EQ(plan.workspace_bytes, workspace_bytes) << "step " << step;
+    }
+  }
+}
+
+TEST(PlanCapacity, UploadPlanIsANoOpOnTheCpu) {
+  std::vector<int32_t> indptr, last;
+  paged_lengths({100, 7}, 16, &indptr, &last);
+  Plan plan = plan_decode(indptr, last, 16, 4, 2, 64, {}, Device{});
+  std::vector<unsigned char> scratch(plan.workspace_bytes + 16);
+  upload_plan(plan, Workspace{scratch.data(), scratch.size()});
+  EXPECT_EQ(plan.upload_generation, 0u);
+}
+
+#if defined(TESSERA_HAVE_CUDA)
+
+using test::DeviceBuffer;
+using test::kGpu;
+using test::reduced_run;
+
+#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
+
+uint64_t base_seed() { return test::seed_from_env(20251204ull); }
+
+std::vector<uint16_t> random_fp16(std::mt19937_64& rng, size_t count) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<uint16_t> values(count);
+  for (auto& v : values) v = detail::float_to_fp16(dist(rng));
+  return values;
+}
+
+// Reference of one (token, head) row: softmax(q k^T * scale) v over the visible keys `keys`
+// (row indices into the K/V element arrays, stride `kv_row_stride` per key, plus the head
+// offset). Returns false when no key is visible (o = 0, lse = -inf).
+struct RowReference {
+  std::vector<double> o;
+  double lse = -INFINITY;
+};
+
+RowReference reference_row(const uint16_t* q_row, const std::vector<uint16_t>& k,
+                           const std::vector<uint16_t>& v, const std::vector<int64_t>& key_offsets,
+                           int head_dim, double scale) {
+  RowReference ref;
+  ref.o.assign(head_dim, 0.0);
+  if (key_offsets.empty()) return ref;
+  std::vector<double> q(head_dim);
+  for (int d = 0; d < head_dim; ++d) q[d] = detail::fp16_to_float(q_row[d]);
+  std::vector<double> scores(key_offsets.size());
+  double max_score = -INFINITY;
+  for (size_t j = 0; j < key_offsets.size(); ++j) {
+    const uint16_t* k_row = k.data() + key_offsets[j];
+    double dot = 0;
+    for (int d = 0; d < head_dim; ++d) dot += q[d] * detail::fp16_to_float(k_row[d]);
+    scores[j] = dot * scale;
+    max_score = std::max(max_score, scores[j]);
+  }
+  double sum = 0;
+  for (size_t j = 0; j < key_offsets.size(); ++j) {
+    const double w = std::exp(scores[j] - max_score);
+    sum += w;
+    const uint16_t* v_row = v.data() + key_offsets[j];
+    for (int d = 0; d < head_dim; ++d) ref.o[d] += w * detail::fp16_to_float(v_row[d]);
+  }
+  for (double& x : ref.o) x /= sum;
+  ref.lse = max_score + std::log(sum);
+  return ref;
+}
+
+// Compares one row of o (fp16) and lse against the reference; returns an error text or "".
+std::string compare_row(const uint16_t* o_row, float lse, const RowReference& ref, int head_dim) {
+  double worst = 0;
+  for (int d = 0; d < head_dim; ++d) {
+    const double got = detail::fp16_to_float(o_row[d]);
+    const double err = std::abs(got - ref.o[d]) - 1e-2 * std::abs(ref.o[d]);
+    if (!(err <= 3e-3)) return "o[" + std::to_string(d) + "] = " + std::to_string(got) +
+                               ", reference " + std::to_string(ref.o[d]);
+    worst = std::max(worst, err);
+  }
+  if (std::isinf(ref.lse)) {
+    if (!(std::isinf(lse) && lse < 0)) return "lse = " + std::to_string(lse) + ", expected -inf";
+  } else if (!(std::abs(lse - ref.lse) <= 1e-2 + 1e-3 * std::abs(ref.lse))) {
+    return "lse = " + std::to_string(lse) + ", reference " + std::to_string(ref.lse);
+  }
+  return "";
+}
+
+// Rows to check at a step: all of them every 50th step (and the first), else a few random ones.
+std::vector<int64_t> rows_to_check(std::mt19937_64& rng, int step, int64_t rows) {
+  std::vector<int64_t> picked;
+  if (step % 50 == 0) {
+    picked.resize(rows);
+    std::iota(picked.begin(), picked.end(), 0);
+    return picked;
+  }
+  for (int i = 0; i < 6 && rows > 0; ++i) {
+    picked.push_back(std::uniform_int_distribution<int64_t>(0, rows - 1)(rng));
+  }
+  picked.push_back(rows - 1);  // the last row of the batch
+  return picked;
+}
+
+class Stream {
+ public:
+  Stream() { cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); }
+  ~Stream() { cudaStreamDestroy(stream_); }
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class Graph {
+ public:
+  ~Graph() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+  }
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------- decode
+
+// Device buffers of a decode batch, sized for the largest batch.
+struct DecodeSetup {
+  static constexpr int kMaxBatch = 32, kMaxKv = 2048, kPageSize = 16;
+  static constexpr int kQoHeads = 16, kKvHeads = 4, kHeadDim = 128;
+  static constexpr int kPagesPerRequest = kMaxKv / kPageSize;
+  static constexpr int kNumPages = kMaxBatch * kPagesPerRequest;
+  // NHD cache: [page][token][kv head][dim].
+  static constexpr int64_t kTokenStride = int64_t{kKvHeads} * kHeadDim;
+  static constexpr int64_t kPageStride = kPageSize * kTokenStride;
+
+  std::mt19937_64 rng;
+  std::vector<uint16_t> k_host, v_host, q_host;
+  DeviceBuffer k, v, q, o, lse, page_indptr, page_indices, last_page_len;
+  // Host copies of the current batch.
+  std::vector<int32_t> kv_lens, indptr_host, indices_host, last_host;
+
+  explicit DecodeSetup(uint64_t seed)
+      : rng(seed),
+        k_host(random_fp16(rng, size_t{kNumPages} * kPageStride)),
+        v_host(random_fp16(rng, size_t{kNumPages} * kPageStride)),
+        k(k_host),
+        v(v_host),
+        q(size_t{kMaxBatch} * kQoHeads * kHeadDim * 2),
+        o(size_t{kMaxBatch} * kQoHeads * kHeadDim * 2),
+        lse(size_t{kMaxBatch} * kQoHeads * 4),
+        page_indptr(size_t{kMaxBatch + 1} * 4),
+        page_indices(size_t{kNumPages} * 4),
+        last_page_len(size_t{kMaxBatch} * 4) {}
+
+  // A batch: lengths, a random page table (random distinct pages), random q. Written into the
+  // device buffers on `stream` (pageable sources are staged before cudaMemcpyAsync returns).
+  void set_batch(std::vector<int32_t> lens, cudaStream_t stream) {
+    kv_lens = std::move(lens);
+    paged_lengths(kv_lens, kPageSize, &indptr_host, &last_host);
+    std::vector<int32_t> pages(kNumPages);
+    std::iota(pages.begin(), pages.end(), 0);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    indices_host.assign(pages.begin(), pages.begin() + indptr_host.back());
+    if (indices_host.empty()) indices_host.push_back(0);
+    q_host = random_fp16(rng, kv_lens.size() * kQoHeads * kHeadDim);
+    const auto put = [&](const DeviceBuffer& dst, const void* src, size_t bytes) {
+      ASSERT_EQ(cudaMemcpyAsync(dst.data(), src, bytes, cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
+    };
+    put(page_indptr, indptr_host.data(), indptr_host.size() * 4);
+    put(page_indices, indices_host.data(), indices_host.size() * 4);
+    put(last_page_len, last_host.data(), last_host.size() * 4);
+    put(q, q_host.data(), q_host.size() * 2);
+  }
+
+  Plan plan(const PlanCapacity& capacity) const {
+    return plan_decode(indptr_host, last_host, kPageSize, kQoHeads, kKvHeads, kHeadDim, {}, kGpu,
+                       1, capacity);
+  }
+
+  // Views for `batch` requests (the graph is captured with kMaxBatch).
+  TensorView q_view(int batch) const {
+    return test::gpu_view(q, DType::kFloat16, {batch, kQoHeads, kHeadDim},
+                          {kQoHeads * kHeadDim, kHeadDim, 1});
+  }
+  TensorView o_view(int batch) const {
+    return test::gpu_view(o, DType::kFloat16, {batch, kQoHeads, kHeadDim},
+                          {kQoHeads * kHeadDim, kHeadDim, 1});
+  }
+  TensorView lse_view(int batch) const {
+    return test::gpu_view(lse, DType::kFloat32, {batch, kQoHeads}, {kQoHeads, 1});
+  }
+  PagedKVCache cache(int batch) const {
+    PagedKVCache cache;
+    cache.layout = KVLayout::kNHD;
+    cache.k_cache = test::gpu_view(k, DType::kFloat16, {kNumPages, kPageSize, kKvHeads, kHeadDim},
+                                   {kPageStride, kTokenStride, kHeadDim, 1});
+    cache.v_cache = test::gpu_view(v, DType::kFloat16, {kNumPages, kPageSize, kKvHeads, kHeadDim},
+                                   {kPageStride, kTokenStride, kHeadDim, 1});
+    cache.page_indptr = test::gpu_index_view(page_indptr, batch + 1);
+    cache.page_indices = test::gpu_index_view(page_indices, kNumPages);
+    cache.last_page_len = test::gpu_index_view(last_page_len, batch);
+    return cache;
+  }
+
+  void poison(cudaStream_t stream) {
+    ASSERT_EQ(cudaMemsetAsync(o.data(), 0xff, o.bytes(), stream), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(lse.data(), 0xff, lse.bytes(), stream), cudaSuccess);
+  }
+
+  // Downloads o / lse of the current batch (synchronises the stream) and checks `rows`
+  // (row = token * kQoHeads + head). Returns the first mismatch or "".
+  std::string check(cudaStream_t stream, const std::vector<int64_t>& rows) {
+    const int batch = static_cast<int>(kv_lens.size());
+    std::vector<uint16_t> o_host(static_cast<size_t>(batch) * kQoHeads * kHeadDim);
+    std::vector<float> lse_host(static_cast<size_t>(batch) * kQoHeads);
+    if (cudaMemcpyAsync(o_host.data(), o.data(), o_host.size() * 2, cudaMemcpyDeviceToHost,
+                        stream) != cudaSuccess ||
+        cudaMemcpyAsync(lse_host.data(), lse.data(), lse_host.size() * 4,
+                        cudaMemcpyDeviceToHost, stream) != cudaSuccess ||
+        cudaStreamSynchronize(stream) != cudaSuccess) {
+      return "CUDA error: " + std::string(cudaGetErrorString(cudaGetLastError()));
+    }
+    const double scale = 1.0 / std::sqrt(double{kHeadDim});
+    const int group = kQoHeads / kKvHeads;
+    for (const int64_t row : rows) {
+      const int b = static_cast<int>(row / kQoHeads), h = static_cast<int>(row % kQoHeads);
+      std::vector<int64_t> keys(kv_lens[b]);
+      for (int j = 0; j < kv_lens[b]; ++j) {
+        const int32_t page = indices_host[indptr_host[b] + j / kPageSize];
+        keys[j] = page * kPageStride + (j % kPageSize) * kTokenStride + (h / group) * kHeadDim;
+      }
+      const RowReference ref =
+          reference_row(q_host.data() + row * kHeadDim, k_host, v_host, keys, kHeadDim, scale);
+      const std::string error =
+          compare_row(o_host.data() + row * kHeadDim, lse_host[row], ref, kHeadDim);
+      if (!error.empty()) {
+        return "request " + std::to_string(b) + " (kv_len " + std::to_string(kv_lens[b]) +
+               ") head " + std::to_string(h) + ": " + error;
+      }
+    }
+    return "";
+  }
+};
+
+std::vector<int32_t> random_decode_lengths(std::mt19937_64& rng, int step) {
+  using S = DecodeSetup;
+  const auto uniform = [&](int32_t lo, int32_t hi) { return test::uniform(rng, lo, hi); };
+  const int kind = step % 5;
+  int32_t batch = kind == 0 ? uniform(1, 3) : uniform(1, S::kMaxBatch);
+  if (kind == 4) batch = S::kMaxBatch;
+  std::vector<int32_t> lens(batch);
+  for (auto& len : lens) {
+    len = test::chance(rng, 0.03) ? 0 : uniform(1, S::kMaxKv);
+    if (kind == 0) len = uniform(S::kMaxKv / 2, S::kMaxKv);  // few long requests: many splits
+  }
+  return lens;
+}
+
+TEST(CudaGraph, DecodeGraphReplaysAnyPlanOfItsCapacity) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  using S = DecodeSetup;
+  DecodeSetup setup(base_seed());
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  for (const bool deterministic : {false, true}) {
+    SCOPED_TRACE(deterministic ? "deterministic" : "balanced");
+    const PlanCapacity capacity =
+        plan_capacity(AttentionOp::kDecode, S::kMaxBatch, S::kMaxBatch, S::kMaxKv, S::kQoHeads,
+                      S::kKvHeads, S::kHeadDim, kGpu, deterministic);
+    // The largest batch: its plan, uploaded, is what the graph is captured with.
+    setup.set_batch(std::vector<int32_t>(S::kMaxBatch, S::kMaxKv), s);
+    Plan max_plan = setup.plan(capacity);
+    DeviceBuffer workspace(max_plan.workspace_bytes);
+    const Workspace ws{workspace.data(), workspace.bytes()};
+    upload_plan(max_plan, ws, s);
+    ASSERT_NE(max_plan.upload_generation, 0u);
+
+    Graph graph;
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    try {
+      run_decode(max_plan, setup.q_view(S::kMaxBatch), setup.cache(S::kMaxBatch),
+                 setup.o_view(S::kMaxBatch), setup.lse_view(S::kMaxBatch), ws, s);
+    } catch (const std::exception& e) {
+      cudaStreamEndCapture(s, &graph.graph_);
+      FAIL() << "run_decode during capture: " << e.what();
+    }
+    CUDA_OK(cudaStreamEndCapture(s, &graph.graph_));
+    CUDA_OK(cudaGraphInstantiate(&graph.exec_, graph.graph_, 0));
+
+    // The captured plan itself first.
+    setup.poison(s);
+    CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+    {
+      std::mt19937_64 pick(1);
+      const std::string error = setup.check(s, rows_to_check(pick, 0, S::kMaxBatch * S::kQoHeads));
+      ASSERT_EQ(error, "") << "max plan replay";
+    }
+
+    const int steps = reduced_run() ? 50 : 1000;
+    int splits_seen = 0;
+    for (int step = 1; step <= steps; ++step) {
+      setup.set_batch(random_decode_lengths(setup.rng, step), s);
+      Plan plan;
+      ASSERT_NO_THROW(plan = setup.plan(capacity)) << "step " << step;
+      ASSERT_EQ(plan.workspace_bytes, max_plan.workspace_bytes);
+      splits_seen += !plan.merges.empty();
+      upload_plan(plan, ws, s);
+      setup.poison(s);
+      CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+      const int64_t rows = static_cast<int64_t>(setup.kv_lens.size()) * S::kQoHeads;
+      const std::string error = setup.check(s, rows_to_check(setup.rng, step, rows));
+      ASSERT_EQ(error, "") << "step " << step << ", batch " << setup.kv_lens.size() << ", "
+                           << plan.work.size() << " work items, " << plan.merges.size()
+                           << " merges";
+    }
+    EXPECT_GT(splits_seen, 0) << "no step exercised split-KV merges";
+  }
+}
+
+TEST(CudaGraph, UploadedRunMatchesPlainRunAndStaleUploadsAreRedone) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  using S = DecodeSetup;
+  DecodeSetup setup(base_seed() + 1);
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  const PlanCapacity capacity = plan_capacity(AttentionOp::kDecode, S::kMaxBatch, S::kMaxBatch,
+                                              S::kMaxKv, S::kQoHeads, S::kKvHeads, S::kHeadDim,
+                                              kGpu);
+  for (int step = 0; step < (reduced_run() ? 4 : 20); ++step) {
+    setup.set_batch(random_decode_lengths(setup.rng, step), s);
+    const int batch = static_cast<int>(setup.kv_lens.size());
+    for (const bool fixed : {false, true}) {
+      const Plan plain = setup.plan(fixed ? capacity : PlanCapacity{});
+      DeviceBuffer workspace(plain.workspace_bytes);
+      const Workspace ws{workspace.data(), workspace.bytes()};
+      // Plain run (uploads itself).
+      setup.poison(s);
+      run_decode(plain, setup.q_view(batch), setup.cache(batch), setup.o_view(batch),
+                 setup.lse_view(batch), ws, s);
+      CUDA_OK(cudaStreamSynchronize(s));
+      const std::vector<unsigned char> o_plain = setup.o.download<unsigned char>();
+      // upload_plan + run.
+      Plan uploaded = plain;
+      upload_plan(uploaded, ws, s);
+      setup.poison(s);
+      run_decode(uploaded, setup.q_view(batch), setup.cache(batch), setup.o_view(batch),
+                 setup.lse_view(batch), ws, s);
+      CUDA_OK(cudaStreamSynchronize(s));
+      ASSERT_EQ(setup.o.download<unsigned char>(), o_plain) << "step " << step;
+      std::mt19937_64 pick(step);
+      ASSERT_EQ(setup.check(s, rows_to_check(pick, step, int64_t{batch} * S::kQoHeads)), "");
+
+      // Stale: another plan (a one-request batch) uploaded into the workspace since; run with
+      // the first plan must upload again rather than use the other plan's lists.
+      if (fixed) {
+        std::vector<int32_t> other_indptr, other_last;
+        paged_lengths({S::kMaxKv}, S::kPageSize, &other_indptr, &other_last);
+        Plan other = plan_decode(other_indptr, other_last, S::kPageSize, S::kQoHeads,
+                                 S::kKvHeads, S::kHeadDim, {}, kGpu, 1, capacity);
+        upload_plan(other, ws, s);
+        setup.poison(s);
+        run_decode(uploaded, setup.q_view(batch), setup.cache(batch), setup.o_view(batch),
+                   setup.lse_view(batch), ws, s);
+        CUDA_OK(cudaStreamSynchronize(s));
+        ASSERT_EQ(setup.o.download<unsigned char>(), o_plain)
+            << "stale upload, step " << step;
+      }
+    }
+  }
+}
+
+TEST(CudaGraph, UploadDuringCaptureIsRefusedAndLegacyCaptureStillWorks) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  DecodeSetup setup(base_seed() + 2);
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  setup.set_batch({100, 2000, 37}, s);
+  const Plan plan = setup.plan({});  // not uploaded: run uploads it inside the capture
+  DeviceBuffer workspace(plan.workspace_bytes);
+  const Workspace ws{workspace.data(), workspace.bytes()};
+  CUDA_OK(cudaStreamSynchronize(s));
+  Graph graph;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  std::string upload_message, run_message;
+  Plan copy = plan;
+  try {
+    upload_plan(copy, ws, s);
+  } catch (const Error& e) {
+    upload_message = e.what();
+  }
+  try {
+    run_decode(plan, setup.q_view(3), setup.cache(3), setup.o_view(3), setup.lse_view(3), ws, s);
+  } catch (const std::exception& e) {
+    run_message = e.what();
+  }
+  CUDA_OK(cudaStreamEndCapture(s, &graph.graph_));
+  EXPECT_NE(upload_message.find("captured"), std::string::npos) << upload_message;
+  ASSERT_EQ(run_message, "") << "legacy capture (run uploading the plan itself)";
+  CUDA_OK(cudaGraphInstantiate(&graph.exec_, graph.graph_, 0));
+  setup.poison(s);
+  CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+  std::mt19937_64 pick(7);
+  EXPECT_EQ(setup.check(s, rows_to_check(pick, 0, 3 * DecodeSetup::kQoHeads)), "");
+}
+
+// ---------------------------------------------------------------------------- ragged prefill
+
+TEST(CudaGraph, RaggedPrefillGraphReplaysAnyPlanOfItsCapacity) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  constexpr int kMaxBatch = 8, kMaxQ = 128, kMaxKv = 1024;
+  constexpr int kQoHeads = 8, kKvHeads = 2, kHeadDim = 128;
+  constexpr int kMaxTotalQ = kMaxBatch * kMaxQ, kMaxTotalKv = kMaxBatch * kMaxKv;
+  constexpr int64_t kQRow = int64_t{kQoHeads} * kHeadDim, kKvRow = int64_t{kKvHeads} * kHeadDim;
+  std::mt19937_64 rng(base_seed() + 3);
+  const std::vector<uint16_t> k_host = random_fp16(rng, size_t{kMaxTotalKv} * kKvRow);
+  const std::vector<uint16_t> v_host = random_fp16(rng, size_t{kMaxTotalKv} * kKvRow);
+  DeviceBuffer k(k_host), v(v_host);
+  DeviceBuffer q(size_t{kMaxTotalQ} * kQRow * 2), o(size_t{kMaxTotalQ} * kQRow * 2);
+  DeviceBuffer lse(size_t{kMaxTotalQ} * kQoHeads * 4);
+  DeviceBuffer qo_indptr(size_t{kMaxBatch + 1} * 4), kv_indptr(size_t{kMaxBatch + 1} * 4);
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  AttentionOptions options;
+  options.causal = true;
+
+  std::vector<int32_t> q_lens, kv_lens, qo_host, kv_host;
+  std::vector<uint16_t> q_host;
+  const auto set_batch = [&](std::vector<int32_t> qs, std::vector<int32_t> kvs) {
+    q_lens = std::move(qs);
+    kv_lens = std::move(kvs);
+    qo_host = indptr_of(q_lens);
+    kv_host = indptr_of(kv_lens);
+    q_host = random_fp16(rng, std::max<size_t>(1, size_t(qo_host.back()) * kQRow));
+    ASSERT_EQ(cudaMemcpyAsync(qo_indptr.data(), qo_host.data(), qo_host.size() * 4,
+                              cudaMemcpyHostToDevice, s), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(kv_indptr.data(), kv_host.data(), kv_host.size() * 4,
+                              cudaMemcpyHostToDevice, s), cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(q.data(), q_host.data(), q_host.size() * 2,
+                              cudaMemcpyHostToDevice, s), cudaSuccess);
+  };
+  const auto view3 = [&](const DeviceBuffer& buffer, int64_t rows, int heads) {
+    return test::gpu_view(buffer, DType::kFloat16, {rows, heads, kHeadDim},
+                          {int64_t{heads} * kHeadDim, kHeadDim, 1});
+  };
+  const auto check = [&](int step) -> std::string {
+    const int64_t total_q = qo_host.back();
+    std::vector<uint16_t> o_host(size_t(total_q) * kQRow);
+    std::vector<float> lse_host(size_t(total_q) * kQoHeads);
+    if (cudaMemcpyAsync(o_host.data(), o.data(), o_host.size() * 2, cudaMemcpyDeviceToHost,
+                        s) != cudaSuccess ||
+        cudaMemcpyAsync(lse_host.data(), lse.data(), lse_host.size() * 4,
+                        cudaMemcpyDeviceToHost, s) != cudaSuccess ||
+        cudaStreamSynchronize(s) != cudaSuccess) {
+      return "CUDA error";
+    }
+    detail::MaskSpec mask;
+    mask.causal = true;
+    const double scale = 1.0 / std::sqrt(double{kHeadDim});
+    for (const int64_t row : rows_to_check(rng, step, total_q * kQoHeads)) {
+      const int64_t token = row / kQoHeads;
+      const int h = static_cast<int>(row % kQoHeads);
+      const int b = static_cast<int>(
+          std::upper_bound(qo_host.begin(), qo_host.end(), static_cast<int32_t>(token)) -
+          qo_host.begin() - 1);
+      int32_t first, last;
+      mask.visible_range(static_cast<int32_t>(token - qo_host[b]), q_lens[b], kv_lens[b], &first,
+                         &last);
+      std::vector<int64_t> keys;
+      for (int32_t j = first; j < last; ++j) {
+        keys.push_back((kv_host[b] + j) * kKvRow + (h / (kQoHeads / kKvHeads)) * kHeadDim);
+      }
+      const RowReference ref =
+          reference_row(q_host.data() + row * kHeadDim, k_host, v_host, keys, kHeadDim, scale);
+      const std::string error =
+          compare_row(o_host.data() + row * kHeadDim, lse_host[row], ref, kHeadDim);
+      if (!error.empty()) {
+        return "request " + std::to_string(b) + " token " + std::to_string(token) + " head " +
+               std::to_string(h) + ": " + error;
+      }
+    }
+    return "";
+  };
+  const auto poison = [&] {
+    ASSERT_EQ(cudaMemsetAsync(o.data(), 0xff, o.bytes(), s), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(lse.data(), 0xff, lse.bytes(), s), cudaSuccess);
+  };
+
+  const PlanCapacity capacity = plan_capacity(AttentionOp::kRaggedPrefill, kMaxBatch, kMaxTotalQ,
+                                              kMaxKv, kQoHeads, kKvHeads, kHeadDim, kGpu);
+  set_batch(std::vector<int32_t>(kMaxBatch, kMaxQ), std::vector<int32_t>(kMaxBatch, kMaxKv));
+  Plan max_plan = plan_ragged_prefill(qo_host, kv_host, kQoHeads, kKvHeads, kHeadDim, options,
+                                      kGpu, capacity);
+  DeviceBuffer workspace(max_plan.workspace_bytes);
+  const Workspace ws{workspace.data(), workspace.bytes()};
+  upload_plan(max_plan, ws, s);
+  Graph graph;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  try {
+    run_ragged_prefill(max_plan, view3(q, kMaxTotalQ, kQoHeads), view3(k, kMaxTotalKv, kKvHeads),
+                       view3(v, kMaxTotalKv, kKvHeads),
+                       test::gpu_index_view(qo_indptr, kMaxBatch + 1),
+                       test::gpu_index_view(kv_indptr, kMaxBatch + 1),
+                       view3(o, kMaxTotalQ, kQoHeads),
+                       test::gpu_view(lse, DType::kFloat32, {kMaxTotalQ, kQoHeads},
+                                      {kQoHeads, 1}),
+                       ws, s);
+  } catch (const std::exception& e) {
+    cudaStreamEndCapture(s, &graph.graph_);
+    FAIL() << "run_ragged_prefill during capture: " << e.what();
+  }
+  CUDA_OK(cudaStreamEndCapture(s, &graph.graph_));
+  CUDA_OK(cudaGraphInstantiate(&graph.exec_, graph.graph_, 0));
+  poison();
+  CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+  ASSERT_EQ(check(0), "") << "max plan replay";
+
+  const int steps = reduced_run() ? 20 : 200;
+  for (int step = 1; step <= steps; ++step) {
+    const int batch = test::uniform(rng, 1, kMaxBatch);
+    std::vector<int32_t> qs(batch), kvs(batch);
+    for (int b = 0; b < batch; ++b) {
+      qs[b] = test::chance(rng, 0.05) ? 0 : test::uniform(rng, 1, kMaxQ);
+      kvs[b] = test::uniform(rng, qs[b], kMaxKv);
+    }
+    set_batch(qs, kvs);
+    if (qo_host.back() == 0) continue;
+    Plan plan;
+    ASSERT_NO_THROW(plan = plan_ragged_prefill(qo_host, kv_host, kQoHeads, kKvHeads, kHeadDim,
+                                               options, kGpu, capacity))
+        << "step " << step;
+    upload_plan(plan, ws, s);
+    poison();
+    CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+    const std::string error = check(step);
+    ASSERT_EQ(error, "") << "step " << step << ", batch " << batch << ", " << plan.work.size()
+                         << " work items, " << plan.merges.size() << " merges";
+  }
+}
+
+#endif  // TESSERA_HAVE_CUDA
+
+}  // namespace
+}  // namespace tessera
