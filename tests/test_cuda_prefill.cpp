@@ -20,6 +20,7 @@
 
 #include "common/api_runner.hpp"
 #include "common/attention_testing.hpp"
+#include "common/gpu_test_support.hpp"
 #include "core/backends.hpp"
 #include "core/planner.hpp"
 #include "core/workspace_layout.hpp"
@@ -42,52 +43,15 @@ using test::Outputs;
 using test::options_of;
 using test::run_reference;
 
-constexpr Device kGpu{DeviceType::kCUDA, 0};
+using test::DeviceBuffer;
+using test::kGpu;
+using test::reduced_run;
+
 // The brief's bar for fp16/bf16 outputs (P is rounded to the input dtype before P x V, as in
 // FlashAttention-2, so bf16 cases are looser than the CPU fast path's float P).
 constexpr double kOutputTolerance = 1e-2;
 
-#define TESSERA_SKIP_WITHOUT_GPU()                         \
-  do {                                                     \
-    if (detail::cuda_device_count_or_zero() == 0) {        \
-      GTEST_SKIP() << "no CUDA device: GPU tests skipped"; \
-    }                                                      \
-  } while (0)
-
-uint64_t base_seed() {
-  const char* env = std::getenv("TESSERA_TEST_SEED");
-  return env ? std::strtoull(env, nullptr, 10) : 20240917ull;
-}
-
-bool reduced_run() {
-  const char* env = std::getenv("TESSERA_TEST_REDUCED");
-  return env != nullptr && std::string(env) == "1";
-}
-
-// Owning device allocation, optionally initialised from a host vector.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes = 0) : bytes_(bytes), data_(detail::cuda_alloc(bytes)) {}
-  template <class T>
-  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size() * sizeof(T)) {
-    upload(host);
-  }
-  ~DeviceBuffer() { detail::cuda_free(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  template <class T>
-  void upload(const std::vector<T>& host) {
-    ASSERT_EQ(host.size() * sizeof(T), bytes_);
-    detail::cuda_copy_to_device(data_, host.data(), bytes_, nullptr);
-  }
-  void* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  size_t bytes_ = 0;
-  void* data_ = nullptr;
-};
+uint64_t base_seed() { return test::seed_from_env(20240917ull); }
 
 // Device copies of a case's buffers (byte for byte: NaN padding and spare pages included).
 struct DeviceCase {

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/dispatch.hpp"
+#include "core/paged_source.hpp"
 #include "core/planner.hpp"
 #include "core/validate.hpp"
 #include "tessera/attention.hpp"
@@ -245,22 +246,7 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
       }
     }
   }
-  KVSource source;
-  source.dtype = kv.k_cache.dtype;
-  source.paged = true;
-  source.k = kv.k_cache.data;
-  source.v = kv.v_cache.data;
-  source.k_stride_page = kv.k_cache.stride[0];
-  source.v_stride_page = kv.v_cache.stride[0];
-  source.k_stride_token = kv.k_cache.stride[token_dim];
-  source.v_stride_token = kv.v_cache.stride[token_dim];
-  source.k_stride_head = kv.k_cache.stride[head_dim_index];
-  source.v_stride_head = kv.v_cache.stride[head_dim_index];
-  source.page_indptr = kv.page_indptr.ptr<const int32_t>();
-  source.page_indices = kv.page_indices.ptr<const int32_t>();
-  source.last_page_len = kv.last_page_len.ptr<const int32_t>();
-  source.page_size = plan.page_size;
-  return source;
+  return detail::paged_kv_source(kv);
 }
 
 void check_qo_indptr(const ArgChecker& check, const Plan& plan, const TensorView& qo_indptr) {

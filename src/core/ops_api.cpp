@@ -4,6 +4,7 @@
 
 #include "core/backends.hpp"
 #include "core/dispatch.hpp"
+#include "core/paged_source.hpp"
 #include "core/validate.hpp"
 #include "tessera/ops.hpp"
 #if defined(TESSERA_HAVE_CUDA)
@@ -141,21 +142,7 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
   check.index_array(kv.last_page_len, "last_page_len", batch, device);
   if (rope) check_rope_options(check, *rope, k_new.shape[2]);
 
-  detail::KVSource cache;
-  cache.dtype = kv.k_cache.dtype;
-  cache.paged = true;
-  cache.k = kv.k_cache.data;
-  cache.v = kv.v_cache.data;
-  cache.k_stride_page = kv.k_cache.stride[0];
-  cache.v_stride_page = kv.v_cache.stride[0];
-  cache.k_stride_token = kv.k_cache.stride[token_dim];
-  cache.v_stride_token = kv.v_cache.stride[token_dim];
-  cache.k_stride_head = kv.k_cache.stride[head_index];
-  cache.v_stride_head = kv.v_cache.stride[head_index];
-  cache.page_indptr = kv.page_indptr.ptr<const int32_t>();
-  cache.page_indices = kv.page_indices.ptr<const int32_t>();
-  cache.last_page_len = kv.last_page_len.ptr<const int32_t>();
-  cache.page_size = static_cast<int32_t>(page_size);
+  const detail::KVSource cache = detail::paged_kv_source(kv);
 
   if (on_cpu(k_new)) {
     // Host arrays can be checked completely before anything is written.
