@@ -145,6 +145,13 @@ TESSERA_API tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
                                                const tessera_attention_options* options,
                                                int device_type, int device_id, tessera_plan** out);
 
+/* Copies the plan's work lists into `workspace` (the plan's device, at least
+ * tessera_plan_workspace_bytes(plan) bytes) with one asynchronous copy on `stream`, so that later
+ * runs with this workspace skip their own upload (see tessera::upload_plan). Never synchronises;
+ * a no-op for CPU plans; an error while `stream` is being captured into a CUDA graph. */
+TESSERA_API tessera_status tessera_plan_upload(tessera_plan* plan, void* workspace,
+                                               size_t workspace_bytes, void* stream);
+
 /* Workspace a run of this plan needs (0 for a NULL plan). */
 TESSERA_API size_t tessera_plan_workspace_bytes(const tessera_plan* plan);
 

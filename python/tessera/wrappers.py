@@ -281,6 +281,14 @@ class _Wrapper:
         self._options = options
         self._derived.clear()  # paged-KV structs point at the previous plan's index arrays
         self._run_fn = getattr(_capi.lib(), self._run_symbol)
+        if self._device[0] == kDLCUDA and not self._use_cuda_graph:
+            # Copy the work lists into the workspace now (one async copy on the current stream),
+            # so run() launches kernels only. A run after another plan was uploaded into the same
+            # workspace (wrappers sharing a buffer) re-uploads by itself. CUDA-graph mode keeps
+            # the upload inside run(), so a captured graph replays the plan it was captured with.
+            _capi.check(_capi.lib().tessera_plan_upload(
+                handle, self._workspace_ptr, self._workspace_bytes,
+                stream_arg(stream_of(self._workspace, self._workspace_dl))))
 
     def _require_plan(self) -> Plan:
         if self._plan is None:

@@ -364,6 +364,16 @@ tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
   });
 }
 
+tessera_status tessera_plan_upload(tessera_plan* plan, void* workspace, size_t workspace_bytes,
+                                   void* stream) {
+  constexpr const char* kFunction = "tessera_plan_upload";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    if (plan == nullptr) convert.fail("plan", "is NULL");
+    tessera::upload_plan(plan->plan, tessera::Workspace{workspace, workspace_bytes}, stream);
+  });
+}
+
 size_t tessera_plan_workspace_bytes(const tessera_plan* plan) {
   return plan == nullptr ? 0 : plan->plan.workspace_bytes;
 }
