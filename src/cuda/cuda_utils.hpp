@@ -4,7 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 #include "tessera/types.hpp"
@@ -32,6 +34,22 @@ inline void check_kernel_launch(const char* kernel_name, dim3 grid, dim3 block, 
                   std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
                   std::to_string(block.z) + ", " + std::to_string(smem_bytes) +
                   " bytes of dynamic shared memory): " + cuda_error_text(status));
+}
+
+// Opts `kernel` into `smem_bytes` of dynamic shared memory (needed above 48 KiB) once per device:
+// `configured_devices` is the kernel's own bit set of devices already done (a function-local
+// static of the caller), so the hot path costs one cudaGetDevice and an atomic load.
+template <class Kernel>
+void enable_dynamic_smem_once(Kernel kernel, size_t smem_bytes, const char* kernel_name,
+                              std::atomic<uint64_t>& configured_devices) {
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (configured_devices.load(std::memory_order_acquire) & bit) != 0) return;
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(smem_bytes)),
+             kernel_name);
+  configured_devices.fetch_or(bit, std::memory_order_release);
 }
 
 // Makes `device` current for the guard's lifetime (no-op when it already is).

@@ -441,15 +441,8 @@ const char* decode_mma_kernel_name() {
 template <class Traits, DType kDType>
 void enable_decode_mma_smem() {
   static std::atomic<uint64_t> configured_devices{0};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit != 0 && (configured_devices.load(std::memory_order_acquire) & bit) != 0) return;
-  check_cuda(cudaFuncSetAttribute(decode_mma_kernel<Traits, kDType>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(Traits::kSmemBytes)),
-             decode_mma_kernel_name<Traits, kDType>());
-  configured_devices.fetch_or(bit, std::memory_order_release);
+  enable_dynamic_smem_once(decode_mma_kernel<Traits, kDType>, Traits::kSmemBytes,
+                           decode_mma_kernel_name<Traits, kDType>(), configured_devices);
 }
 
 template <class Traits, DType kDType>

@@ -418,15 +418,8 @@ const char* prefill_kernel_name() {
 template <class Traits, DType kDType, bool kSoftCap>
 void enable_prefill_smem() {
   static std::atomic<uint64_t> configured_devices{0};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
-  if (bit != 0 && (configured_devices.load(std::memory_order_acquire) & bit) != 0) return;
-  check_cuda(cudaFuncSetAttribute(prefill_kernel<Traits, kDType, kSoftCap>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(Traits::kSmemBytes)),
-             prefill_kernel_name<Traits, kDType, kSoftCap>());
-  configured_devices.fetch_or(bit, std::memory_order_release);
+  enable_dynamic_smem_once(prefill_kernel<Traits, kDType, kSoftCap>, Traits::kSmemBytes,
+                           prefill_kernel_name<Traits, kDType, kSoftCap>(), configured_devices);
 }
 
 template <class Traits, DType kDType, bool kSoftCap>
