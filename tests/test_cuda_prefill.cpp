@@ -1,7 +1,10 @@
-// GPU tests of the sm80 prefill kernels (ragged and paged) and the split-KV merge, against the
+// GPU tests of the prefill kernels (ragged and paged) and the split-KV merge, against the
 // double-precision CPU reference. Every case runs three plans: the public planner's, the real
 // planner with forced split-KV (tiny min_kv_chunk, many workers), and a hand-made plan with
-// arbitrary q tiles, key pieces and worker counts through the backend entry directly.
+// arbitrary q tiles, key pieces and worker counts through the backend entry directly. On a
+// Hopper GPU those run the sm90 kernels (checked: the test fails if a case the sm90 kernels
+// should serve ran elsewhere) and the public plan runs once more on the portable sm80 kernels
+// (TESSERA_PREFILL_KERNEL=sm80), so both families are checked on every case.
 //
 // Without a CUDA device every test skips. TESSERA_TEST_REDUCED=1 shrinks the random suites;
 // the CudaPrefillSanitizer suite is a handful of small cases for
@@ -9,11 +12,14 @@
 // (also racecheck / synccheck). TESSERA_TEST_SEED reproduces another random run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <iterator>
 #include <random>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,7 +34,9 @@
 #include "tessera/types.hpp"
 
 #if defined(TESSERA_HAVE_CUDA)
+#include "core/half.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/sm90/prefill_api.hpp"
 #endif
 
 namespace tessera {
@@ -219,13 +227,70 @@ Outputs run_hand_made(AttentionBuffers& buffers, DeviceCase& device,
   return device.download();
 }
 
+// The first rows whose output differs from the reference, 8 values each (a failure's pattern:
+// zeros, NaN, a transposed or shifted tile, one bad head).
+std::string first_bad_rows(const AttentionBuffers& buffers, const Outputs& actual,
+                           const Outputs& expected) {
+  const AttentionCase& c = buffers.test_case;
+  std::ostringstream text;
+  int shown = 0;
+  for (int64_t token = 0; token < c.total_q() && shown < 3; ++token) {
+    for (int32_t h = 0; h < c.num_qo_heads && shown < 3; ++h) {
+      const int64_t base = token * buffers.o_stride_token + h * buffers.o_stride_head;
+      double worst = 0.0;
+      for (int32_t d = 0; d < c.head_dim; ++d) {
+        const double out = detail::load_as_float(actual.o.data(), c.q_dtype, base + d);
+        const double ref = detail::load_as_float(expected.o.data(), c.q_dtype, base + d);
+        worst = std::isfinite(out) ? std::max(worst, std::fabs(out - ref)) : 1e30;
+      }
+      if (worst < 0.05) continue;
+      if (shown++ == 0) text << "\n  first bad rows (out/ref):";
+      text << "\n  token " << token << " head " << h << ":";
+      for (int32_t d = 0; d < std::min(c.head_dim, 8); ++d) {
+        text << " " << detail::load_as_float(actual.o.data(), c.q_dtype, base + d) << "/"
+             << detail::load_as_float(expected.o.data(), c.q_dtype, base + d);
+      }
+    }
+  }
+  return text.str();
+}
+
 void expect_close(const AttentionBuffers& buffers, const Outputs& actual, const Outputs& expected,
                   const std::string& run) {
   const Comparison result = test::compare_outputs(buffers, actual, expected);
   const AttentionCase& c = buffers.test_case;
-  EXPECT_TRUE(result.ok(kOutputTolerance, test::default_lse_tolerance(c)))
-      << result.describe() << "\n  case: " << c.describe() << "\n  run: " << run;
+  const bool ok = result.ok(kOutputTolerance, test::default_lse_tolerance(c));
+  EXPECT_TRUE(ok) << result.describe() << "\n  case: " << c.describe() << "\n  run: " << run
+                  << "\n  kernel: " << detail::cuda_last_prefill_kernel()
+                  << (ok ? std::string() : first_bad_rows(buffers, actual, expected));
 }
+
+// Whether the sm90 kernels should serve this case on device 0.
+bool sm90_serves(const AttentionCase& c) {
+  const detail::CudaDeviceInfo& info = detail::cuda_device_info(kGpu.index);
+  return detail::sm90::prefill_unsupported_reason(info.sm_major, c.head_dim, c.num_qo_heads,
+                                                  c.num_kv_heads, c.q_dtype, c.kv_dtype)
+      .empty();
+}
+
+// The kernel family the last launch used, when the plan launched anything.
+void expect_family(const AttentionCase& c, const Plan& plan, const char* prefix,
+                   const std::string& run) {
+  if (plan.work.empty()) return;
+  const std::string kernel = detail::cuda_last_prefill_kernel();
+  EXPECT_EQ(kernel.rfind(prefix, 0), 0u)
+      << "expected a " << prefix << " kernel, ran " << kernel << "\n  case: " << c.describe()
+      << "\n  run: " << run;
+}
+
+// TESSERA_PREFILL_KERNEL=sm80 for the guard's lifetime: the portable kernels serve every call.
+class ForcePortablePrefill {
+ public:
+  ForcePortablePrefill() { setenv("TESSERA_PREFILL_KERNEL", "sm80", 1); }
+  ~ForcePortablePrefill() { unsetenv("TESSERA_PREFILL_KERNEL"); }
+  ForcePortablePrefill(const ForcePortablePrefill&) = delete;
+  ForcePortablePrefill& operator=(const ForcePortablePrefill&) = delete;
+};
 
 // What the CUDA kernels serve: fp16/bf16 q with K/V of the same dtype, prefill (ragged queries),
 // strides that are multiples of 8 elements (16-byte rows for cp.async).
@@ -251,14 +316,23 @@ void check_case(const AttentionCase& c, std::mt19937_64& rng) {
   const Outputs expected = run_reference(buffers);
   DeviceCase device(buffers);
 
+  const bool sm90 = sm90_serves(c);
+  const char* family = sm90 ? "tessera::sm90::" : "tessera::sm80::";
   const Plan plan = public_plan(buffers);
   expect_close(buffers, run_public(buffers, device, plan), expected, "public plan");
+  expect_family(c, plan, family, "public plan");
+  if (sm90) {
+    const ForcePortablePrefill portable;
+    expect_close(buffers, run_public(buffers, device, plan), expected, "public plan on sm80");
+    expect_family(c, plan, "tessera::sm80::", "public plan on sm80");
+  }
 
   const int32_t workers = std::uniform_int_distribution<int32_t>(1, 300)(rng);
   const Plan split = forced_split_plan(c, workers);
   expect_close(buffers, run_public(buffers, device, split), expected,
                "forced split-KV plan, workers=" + std::to_string(workers) +
                    " merges=" + std::to_string(split.merges.size()));
+  expect_family(c, split, family, "forced split-KV plan");
 
   test::TestPlanOptions hand_made;
   const int32_t tile_rows[] = {1, 16, 64, 100, 128, 256, 300};
@@ -266,10 +340,15 @@ void check_case(const AttentionCase& c, std::mt19937_64& rng) {
   hand_made.q_tile_rows = tile_rows[rng() % std::size(tile_rows)];
   hand_made.kv_chunk = kv_chunks[rng() % std::size(kv_chunks)];
   hand_made.num_workers = std::uniform_int_distribution<int32_t>(1, 64)(rng);
-  expect_close(buffers, run_hand_made(buffers, device, hand_made), expected,
-               "hand-made plan q_tile_rows=" + std::to_string(hand_made.q_tile_rows) +
-                   " kv_chunk=" + std::to_string(hand_made.kv_chunk) +
-                   " workers=" + std::to_string(hand_made.num_workers));
+  const std::string hand_made_run = "hand-made plan q_tile_rows=" +
+                                    std::to_string(hand_made.q_tile_rows) +
+                                    " kv_chunk=" + std::to_string(hand_made.kv_chunk) +
+                                    " workers=" + std::to_string(hand_made.num_workers);
+  expect_close(buffers, run_hand_made(buffers, device, hand_made), expected, hand_made_run);
+  if (c.total_q() > 0) {
+    const std::string kernel = detail::cuda_last_prefill_kernel();
+    EXPECT_EQ(kernel.rfind(family, 0), 0u) << "ran " << kernel << "\n  " << hand_made_run;
+  }
 }
 
 void run_random_suite(int cases, uint64_t seed, const test::RandomCaseOptions& options) {
@@ -294,6 +373,23 @@ AttentionCase manual_case(std::vector<int32_t> q_lens, std::vector<int32_t> kv_l
   c.head_dim = head_dim;
   c.q_dtype = c.kv_dtype = dtype;
   return c;
+}
+
+// ---- the simplest shapes first (a failure here points at the kernel core) ----
+
+TEST(CudaPrefill, AFewPlainShapes) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 9);
+  for (int32_t head_dim : {128, 64, 256}) {
+    for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+      // One full 128-row tile against exactly one / two key tiles, then lengths that are not
+      // multiples of any tile.
+      SCOPED_TRACE("head_dim " + std::to_string(head_dim));
+      check_case(manual_case({128}, {128}, 1, 1, head_dim, dtype), rng);
+      check_case(manual_case({128}, {256}, 2, 2, head_dim, dtype), rng);
+      check_case(manual_case({200, 37}, {333, 1000}, 8, 2, head_dim, dtype), rng);
+    }
+  }
 }
 
 // ---- random suites ----
@@ -364,7 +460,9 @@ TEST(CudaPrefill, PagedLayoutsAndPageSizes) {
   TESSERA_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(base_seed() + 5);
   for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
-    for (int32_t page_size : {1, 7, 16, 64, 128}) {
+    // 1, 7: gathered by the sm90 producer; 8 .. 128: one TMA box per page; 256: pages larger
+    // than a key tile (TMA boxes inside a page).
+    for (int32_t page_size : {1, 7, 8, 16, 64, 128, 256}) {
       AttentionCase c = manual_case({64, 1, 129}, {300, 77, 129}, 8, 4, 128, DType::kBFloat16);
       c.paged = true;
       c.layout = layout;

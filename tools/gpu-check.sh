@@ -1,69 +1,96 @@
 #!/usr/bin/env bash
 # The device side of a GPU round trip. Run on a GPU host from a build made elsewhere:
 #   tools/gpu-check.sh OUT_DIR [BUILD_DIR]
-# Runs every test binary (GPU tests included), the reduced GPU set under compute-sanitizer
-# (memcheck, racecheck, synccheck, initcheck), `tessera bench` (JSON) and the side-by-side
-# comparison with torch SDPA, writing logs into OUT_DIR (at most 8 files).
-# Environment: TESSERA_SKIP_SANITIZER=1, TESSERA_SKIP_BENCH=1, TESSERA_SKIP_PYTHON=1,
-# TESSERA_BENCH_ARGS. Files: tests.log, sanitizer.log, bench.log/json, compare.log/json/png,
-# python.log.
+# Runs every test binary (GPU tests included), the SASS check of the sm90 kernels, the reduced
+# GPU set under compute-sanitizer (memcheck, racecheck, synccheck, initcheck), `tessera bench`
+# (JSON; prefill also on the portable sm80 kernels for the side-by-side), the comparison with
+# torch SDPA, and the Python GPU tests, writing logs into OUT_DIR (at most 8 files come back).
+# Every binary runs under `timeout` so a hung kernel costs minutes, not the whole call.
+# Environment: TESSERA_SKIP_TESTS=1, TESSERA_SKIP_SANITIZER=1, TESSERA_SKIP_BENCH=1,
+# TESSERA_SKIP_PYTHON=1, TESSERA_TEST_FILTER (gtest filter for the test binaries),
+# TESSERA_TESTS (space-separated binary names, default all), TESSERA_BENCH_ARGS,
+# TESSERA_TIMEOUT (seconds per binary, default 300).
+# Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
+limit=${TESSERA_TIMEOUT:-300}
 status=0
+log="$out/tests.log"
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   "$build/tessera" info
-} >"$out/tests.log" 2>&1
+} >"$log" 2>&1
 
 # 1. Every test binary (CPU and GPU), one log.
-for test in "$build"/tests/test_*; do
-  [ -x "$test" ] || continue
-  echo "=== $(basename "$test")" >>"$out/tests.log"
-  if ! "$test" --gtest_brief=1 >>"$out/tests.log" 2>&1; then
-    echo "FAILED: $(basename "$test")" | tee -a "$out/tests.log"
-    status=1
-  fi
-done
-grep -E "^(===|\[  PASSED|\[  FAILED|\[  SKIPPED|FAILED)" "$out/tests.log" | head -80
+if [ "${TESSERA_SKIP_TESTS:-0}" != 1 ]; then
+  for test in "$build"/tests/test_*; do
+    [ -x "$test" ] || continue
+    name=$(basename "$test")
+    if [ -n "${TESSERA_TESTS:-}" ] && [[ " $TESSERA_TESTS " != *" $name "* ]]; then continue; fi
+    echo "=== $name" >>"$log"
+    start=$(date +%s)
+    timeout "$limit" "$test" --gtest_brief=1 --gtest_filter="${TESSERA_TEST_FILTER:-*}" \
+      >>"$log" 2>&1
+    rc=$?
+    echo "exit $rc after $(( $(date +%s) - start )) s" >>"$log"
+    if [ $rc -ne 0 ]; then
+      echo "FAILED: $name (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))" | tee -a "$log"
+      status=1
+    fi
+  done
+  grep -E "^(===|exit|\[  PASSED|\[  FAILED|\[  SKIPPED|FAILED)" "$log" | head -80
+fi
 
-# 2. The reduced GPU set under compute-sanitizer.
+# 2. The sm90 kernels are what we think they are: HGMMA and TMA in the SASS, no local memory.
+{
+  echo "=== SASS check"
+  bash "$root/tools/check-sass.sh" "$build/libtessera.so"
+} >>"$log" 2>&1 || status=1
+grep -A12 "^=== SASS check" "$log" | tail -12
+
+# 3. The reduced GPU set under compute-sanitizer.
 if [ "${TESSERA_SKIP_SANITIZER:-0}" != 1 ]; then
-  : >"$out/sanitizer.log"
+  echo "=== sanitizer" >>"$log"
   for tool in memcheck racecheck synccheck initcheck; do
     for test in "$build"/tests/test_cuda_*; do
       [ -x "$test" ] || continue
       # Only binaries that define a reduced *Sanitizer* set (the others run in full above).
       "$test" --gtest_list_tests --gtest_filter='*Sanitizer*' | grep -q '^  ' || continue
-      echo "=== $tool $(basename "$test")" >>"$out/sanitizer.log"
-      TESSERA_TEST_REDUCED=1 compute-sanitizer --tool "$tool" --error-exitcode 99 \
-        "$test" --gtest_brief=1 --gtest_filter='*Sanitizer*' >>"$out/sanitizer.log" 2>&1
+      echo "=== $tool $(basename "$test")" >>"$log"
+      TESSERA_TEST_REDUCED=1 timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+        "$test" --gtest_brief=1 --gtest_filter='*Sanitizer*' >>"$log" 2>&1
       rc=$?
-      echo "exit $rc" >>"$out/sanitizer.log"
+      echo "exit $rc" >>"$log"
       [ $rc -eq 0 ] || status=1
     done
   done
-  grep -E "^(===|exit|=========.*ERROR SUMMARY)" "$out/sanitizer.log"
+  sed -n '/^=== sanitizer/,$p' "$log" | grep -E "^(===|exit|=========.*ERROR SUMMARY)"
 fi
 
-# 3. Benchmark and the side-by-side comparison, in the same device session.
+# 4. Benchmark and the side-by-side comparison, in the same device session.
 if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
   # shellcheck disable=SC2086
-  "$build/tessera" bench --quiet --json "$out/bench.json" ${TESSERA_BENCH_ARGS:-} \
+  timeout 900 "$build/tessera" bench --quiet --json "$out/bench.json" ${TESSERA_BENCH_ARGS:-} \
     >"$out/bench.log" 2>&1 || status=1
   cat "$out/bench.log"
-  PYTHONUNBUFFERED=1 python3 "$root/bench/compare.py" "$out/bench.json" \
+  echo "--- the same prefill shapes on the portable sm80 kernels (TESSERA_PREFILL_KERNEL=sm80)" \
+    >>"$out/bench.log"
+  # shellcheck disable=SC2086
+  TESSERA_PREFILL_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter prefill \
+    ${TESSERA_BENCH_ARGS:-} >>"$out/bench.log" 2>&1 || status=1
+  PYTHONUNBUFFERED=1 timeout 900 python3 "$root/bench/compare.py" "$out/bench.json" \
     --out "$out/compare.json" --png "$out/compare.png" >"$out/compare.log" 2>&1 || status=1
   cat "$out/compare.log"
 fi
 
-# 4. The Python package's tests (torch, torch.compile, CUDA graphs, transformers) against the
+# 5. The Python package's tests (torch, torch.compile, CUDA graphs, transformers) against the
 #    library of this build.
 if [ "${TESSERA_SKIP_PYTHON:-0}" != 1 ]; then
   TESSERA_LIBRARY="$(cd "$build" && pwd)/libtessera.so" PYTHONPATH="$root/python" \
-    PYTHONUNBUFFERED=1 python3 -m pytest -q -rs -p no:cacheprovider "$root/tests/python" \
+    PYTHONUNBUFFERED=1 timeout 900 python3 -m pytest -q -rs -p no:cacheprovider "$root/tests/python" \
     >"$out/python.log" 2>&1 || status=1
   tail -15 "$out/python.log"
 fi

@@ -147,6 +147,8 @@ struct Plan {
   PlanCapacity capacity{};     // as passed to plan_*
   double max_worker_cost = 0;  // cost model units (see planner.hpp)
   double total_cost = 0;
+  // Which backend kernel family serves this plan and why (printed by explain()).
+  std::string kernel;
 
   // Set by upload_plan(): the workspace the lists were copied into and the upload's (process
   // wide, never 0) generation. run_*() with that workspace skips its own upload while no later

@@ -87,8 +87,10 @@ Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_
   shape.page_size = page_size;
   shape.options = options;
   shape.capacity = capacity;
-  return detail::make_plan(
+  Plan plan = detail::make_plan(
       shape, detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim));
+  plan.kernel = detail::plan_kernel_note(op, device, num_qo_heads, num_kv_heads, head_dim);
+  return plan;
 }
 
 // ---- run-time checks shared by the three ops ----
@@ -169,9 +171,11 @@ AttentionProblem base_problem(const Plan& plan, const TensorView& q, const Tenso
   problem.q = q.data;
   problem.q_stride_token = q.stride[0];
   problem.q_stride_head = q.stride[1];
+  problem.q_extent = q.shape[0];
   problem.o = o.data;
   problem.o_stride_token = o.stride[0];
   problem.o_stride_head = o.stride[1];
+  problem.o_extent = o.shape[0];
   if (has_value(lse)) {
     problem.lse = static_cast<float*>(lse.data);
     problem.lse_stride_token = lse.stride[0];
@@ -375,6 +379,8 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
   problem.kv.k_stride_head = k.stride[1];
   problem.kv.v_stride_token = v.stride[0];
   problem.kv.v_stride_head = v.stride[1];
+  problem.kv.k_extent = k.shape[0];
+  problem.kv.v_extent = v.shape[0];
   problem.kv.kv_indptr = kv_indptr.ptr<const int32_t>();
   dispatch(plan, problem, workspace, stream);
 }

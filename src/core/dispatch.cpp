@@ -51,6 +51,20 @@ PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int 
 #endif
 }
 
+std::string plan_kernel_note(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
+                             int head_dim) {
+  if (device.type == DeviceType::kCPU) {
+    return cpu_impl() == CpuImpl::kReference
+               ? "CPU reference (double accumulation, TESSERA_CPU_IMPL=reference)"
+               : "CPU fast path (tiled online softmax, GQA packing, per-ISA vector kernels)";
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  return cuda_plan_kernel_note(op, num_qo_heads, num_kv_heads, head_dim, device.index);
+#else
+  return "no CUDA backend in this build";
+#endif
+}
+
 void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
                         void* stream) {
   if (plan.device.type == DeviceType::kCPU) {

@@ -14,6 +14,10 @@ void check_device_usable(const ArgChecker& check, Device device);
 PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
                            int head_dim);
 
+// One line naming the kernel family that will serve (op, device, heads, head_dim) and why.
+std::string plan_kernel_note(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
+                             int head_dim);
+
 // Runs a validated problem with its plan on the plan's device.
 void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
                         void* stream);

@@ -25,6 +25,8 @@ inline KVSource paged_kv_source(const PagedKVCache& kv) {
   source.page_indices = kv.page_indices.ptr<const int32_t>();
   source.last_page_len = kv.last_page_len.ptr<const int32_t>();
   source.page_size = static_cast<int32_t>(kv.k_cache.shape[token_dim]);
+  source.k_extent = kv.k_cache.shape[0];
+  source.v_extent = kv.v_cache.shape[0];
   return source;
 }
 

@@ -269,6 +269,7 @@ std::string Plan::explain() const {
   out << "\n  mask: " << (options.causal ? "causal" : "full") << ", window ("
       << options.window_left << ", " << options.window_right << "), soft-cap "
       << options.logits_soft_cap << "\n";
+  if (!kernel.empty()) out << "  kernel: " << kernel << "\n";
   out << "  tiling: " << config.q_tile_rows << " packed rows per tile ("
       << std::max(1, config.q_tile_rows / std::max(1, group)) << " tokens x " << group
       << " heads), " << config.num_workers << " workers, split-KV "

@@ -32,6 +32,10 @@ struct KVSource {
   const int32_t* page_indices = nullptr;
   const int32_t* last_page_len = nullptr;
   int32_t page_size = 0;
+  // Rows (ragged) or pages (paged) the k / v tensors hold: bounds for copy engines that address
+  // the tensor as a whole (TMA), never used to find a request's keys.
+  int64_t k_extent = 0;
+  int64_t v_extent = 0;
 
   // Element offset of key/value row `j` (0-based within the request) of request `b`, head `h`.
   // The caller guarantees 0 <= j < kv_len(b).
@@ -91,6 +95,7 @@ struct AttentionProblem {
 
   const void* q = nullptr;
   int64_t q_stride_token = 0, q_stride_head = 0;
+  int64_t q_extent = 0;  // rows of the q tensor (>= the plan's total_q; bounds for TMA)
   // Ragged queries: qo_indptr[B+1]. Null for decode, where request b owns rows
   // [b * q_per_request, (b+1) * q_per_request).
   const int32_t* qo_indptr = nullptr;
@@ -100,6 +105,7 @@ struct AttentionProblem {
 
   void* o = nullptr;
   int64_t o_stride_token = 0, o_stride_head = 0;
+  int64_t o_extent = 0;  // rows of the o tensor
   float* lse = nullptr;  // optional, [total_q, num_qo_heads] with lse_stride_token
   int64_t lse_stride_token = 0;
 

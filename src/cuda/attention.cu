@@ -23,6 +23,7 @@
 #include "cuda/cuda_utils.hpp"
 #include "cuda/sm80/decode_api.hpp"
 #include "cuda/sm80/prefill_api.hpp"
+#include "cuda/sm90/prefill_api.hpp"
 
 namespace tessera::detail {
 namespace {
@@ -176,6 +177,11 @@ class UploadRegistry {
   std::unordered_map<const void*, uint64_t> latest_;
 };
 
+std::string& last_prefill_kernel() {
+  thread_local std::string name;
+  return name;
+}
+
 void check_workspace_fits(const WorkspaceLayout& layout, Workspace workspace, const char* who) {
   if (workspace.bytes < layout.total || (layout.total > 0 && workspace.data == nullptr)) {
     throw Error(Error::Kind::kInvalidArgument,
@@ -253,7 +259,15 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
                 "head_dim " + std::to_string(problem.head_dim) +
                     " is not supported by CUDA prefill (a multiple of 8 up to 256)");
   }
-  if (kernel->smem_bytes > info.max_smem_per_block_optin) {
+  // The sm90 kernels, when they serve this shape; the sm80 ones serve every plan.
+  const sm90::PrefillKernel* hopper = nullptr;
+  if (sm90::prefill_unsupported_reason(info.sm_major, problem.head_dim, problem.num_qo_heads,
+                                       problem.num_kv_heads, problem.q_dtype, problem.kv.dtype)
+          .empty()) {
+    hopper = sm90::find_prefill_kernel(problem.head_dim, problem.q_dtype, soft_cap);
+    if (hopper != nullptr && hopper->smem_bytes > info.max_smem_per_block_optin) hopper = nullptr;
+  }
+  if (hopper == nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) {
     throw Error(Error::Kind::kUnsupported,
                 "head_dim " + std::to_string(problem.head_dim) + ": " + kernel->name + " needs " +
                     std::to_string(kernel->smem_bytes) +
@@ -261,7 +275,7 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
                     " (" + info.name + ") allows " + std::to_string(info.max_smem_per_block_optin));
   }
 
-  sm80::PrefillArgs args;
+  PrefillArgs args;
   args.problem = problem;
   args.work = reinterpret_cast<const WorkItem*>(workspace + layout.work);
   args.worker_indptr = reinterpret_cast<const int32_t*>(workspace + layout.worker_indptr);
@@ -280,7 +294,13 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
   // Nothing to attend (no queries). A fixed-capacity plan launches anyway: a graph captured
   // with it must serve later plans of that capacity (an empty worker range is a no-op).
   if (args.num_workers == 0 || (plan.work.empty() && !plan.capacity.fixed())) return;
-  kernel->launch(args, stream);
+  std::string why_not_sm90;
+  if (hopper != nullptr && hopper->try_launch(args, stream, &why_not_sm90)) {
+    last_prefill_kernel() = hopper->name;
+  } else {
+    kernel->launch(args, stream);
+    last_prefill_kernel() = kernel->name;
+  }
 
   const int64_t merge_slots =
       header_uploaded ? layout.merge_slots : static_cast<int64_t>(plan.merges.size());
@@ -299,6 +319,8 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
 }
 
 }  // namespace
+
+const char* cuda_last_prefill_kernel() { return last_prefill_kernel().c_str(); }
 
 uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
   if (plan.device.type != DeviceType::kCUDA) {

@@ -30,6 +30,14 @@ int cuda_current_device();
 PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int head_dim,
                             DType kv_dtype_hint, int device);
 
+// One line for `tessera plan --explain`: which kernel family will serve (op, heads, head_dim)
+// on `device`, and why.
+std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_heads,
+                                  int head_dim, int device);
+
+// The name of the prefill kernel this thread launched last (tests check which family ran).
+const char* cuda_last_prefill_kernel();
+
 // Copies the plan's header and lists into the workspace (WorkspaceLayout) with one
 // cudaMemcpyAsync from a pinned staging buffer of a per-device pool; does not synchronise.
 // Returns the upload's generation (never 0), remembered per workspace pointer so that

@@ -12,6 +12,7 @@
 #include "cuda/sm80/decode_api.hpp"
 #include "cuda/sm80/prefill_api.hpp"
 #include "cuda/sm80/prefill_traits.cuh"
+#include "cuda/sm90/prefill_api.hpp"
 
 namespace tessera::detail {
 
@@ -75,10 +76,23 @@ PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, 
                 "head_dim " + std::to_string(head_dim) +
                     " is not supported by the CUDA prefill kernels (a multiple of 8 up to 256)");
   }
+  const DType hint = kv_dtype_hint == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+  if (sm90::prefill_unsupported_reason(info.sm_major, head_dim, num_qo_heads, num_kv_heads, hint,
+                                       hint)
+          .empty()) {
+    // Hopper kernels: one persistent CTA per SM, tiles of whole tokens x the GQA group.
+    const sm90::PrefillKernel* kernel = sm90::find_prefill_kernel(head_dim, hint, false);
+    PlanConfig config;
+    config.q_tile_rows =
+        sm90::prefill_tile_rows(kernel->block_m, num_qo_heads / std::max(num_kv_heads, 1));
+    config.num_workers = info.num_sms;
+    config.split_kv = true;
+    config.min_kv_chunk = std::max(config.min_kv_chunk, 4 * kernel->block_n);
+    return config;
+  }
   // Occupancy of the kernel that will run (the soft-cap variant has the same shape); an fp8
   // hint is costed as fp16, run() rejects fp8 K/V for now.
-  const DType dtype = kv_dtype_hint == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat16;
-  const sm80::PrefillKernel* kernel = sm80::find_prefill_kernel(head_dim, dtype, false);
+  const sm80::PrefillKernel* kernel = sm80::find_prefill_kernel(head_dim, hint, false);
   const int ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(device) : 0;
 
   PlanConfig config;
@@ -97,6 +111,26 @@ PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, 
   config.min_kv_chunk =
       std::max(config.min_kv_chunk, 4 * (kernel != nullptr ? kernel->block_n : 64));
   return config;
+}
+
+}  // namespace tessera::detail
+
+namespace tessera::detail {
+
+std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_heads,
+                                  int head_dim, int device) {
+  const CudaDeviceInfo& info = cuda_device_info(device);
+  if (op == AttentionOp::kDecode) {
+    return "CUDA decode kernels (sm80 family: mma.sync over the GQA group, CUDA cores for fp8 "
+           "K/V)";
+  }
+  const std::string reason = sm90::prefill_unsupported_reason(
+      info.sm_major, head_dim, num_qo_heads, num_kv_heads, DType::kBFloat16, DType::kBFloat16);
+  if (reason.empty()) {
+    return "sm90 prefill (warp-specialised TMA + wgmma, one CTA per SM); the sm80 kernels take "
+           "over at run time for fp8 K/V or tensors whose strides TMA cannot describe";
+  }
+  return "sm80 prefill (mma.sync): the sm90 kernels do not serve this because " + reason;
 }
 
 }  // namespace tessera::detail

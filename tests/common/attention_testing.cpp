@@ -317,6 +317,8 @@ detail::AttentionProblem make_problem(const AttentionBuffers& buffers,
   problem.q = pointers.q;
   problem.q_stride_token = buffers.q_stride_token;
   problem.q_stride_head = buffers.q_stride_head;
+  problem.q_extent = c.total_q();
+  problem.o_extent = c.total_q();
   if (c.uniform_q) {
     problem.qo_indptr = nullptr;
     problem.q_per_request = c.q_lens.empty() ? 1 : c.q_lens[0];
@@ -336,8 +338,10 @@ detail::AttentionProblem make_problem(const AttentionBuffers& buffers,
     kv.page_indices = pointers.page_indices;
     kv.last_page_len = pointers.last_page_len;
     kv.page_size = c.page_size;
+    kv.k_extent = kv.v_extent = buffers.num_pages;
   } else {
     kv.kv_indptr = pointers.kv_indptr;
+    kv.k_extent = kv.v_extent = c.total_kv();
   }
   problem.o = pointers.o;
   problem.o_stride_token = buffers.o_stride_token;

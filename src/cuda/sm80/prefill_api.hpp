@@ -8,28 +8,14 @@
 
 #include "core/problem.hpp"
 #include "core/workspace_layout.hpp"
+#include "cuda/prefill_args.hpp"
 #include "tessera/attention.hpp"
 #include "tessera/types.hpp"
 
 namespace tessera::detail::sm80 {
 
-// Everything a prefill kernel reads, built on the host and passed by value (__grid_constant__).
-struct PrefillArgs {
-  AttentionProblem problem;                // device pointers
-  const WorkItem* work = nullptr;          // uploaded plan.work
-  const int32_t* worker_indptr = nullptr;  // [num_workers + 1]
-  int32_t num_workers = 0;                 // grid size: one persistent CTA per worker
-  float* partial_o = nullptr;              // [num_partial_rows, head_dim] float32 (split-KV pieces)
-  float* partial_lse = nullptr;            // [num_partial_rows] float32, natural log
-  // Softmax runs in base 2: p = 2^(s * score_scale_log2 - m). Without soft-cap,
-  // score_scale_log2 = sm_scale * log2(e). With soft-cap the logits are first mapped to
-  // log2(e) * cap * tanh(sm_scale * s / cap), already in base 2 (score_scale_log2 = 1), through
-  // e^(2x) = 2^(soft_cap_pre * s) with soft_cap_pre = 2 * log2(e) * sm_scale / cap and
-  // soft_cap_post = log2(e) * cap.
-  float score_scale_log2 = 0.0f;
-  float soft_cap_pre = 0.0f;
-  float soft_cap_post = 0.0f;
-};
+// The launch arguments every prefill kernel family shares (cuda/prefill_args.hpp).
+using detail::PrefillArgs;
 
 // One compiled prefill kernel (head_dim bucket x dtype x soft-cap) and its launch shape.
 struct PrefillKernel {

@@ -1,0 +1,71 @@
+// Host-side interface of the Hopper (sm_90a) prefill kernels: what the launcher in
+// cuda/attention.cu and the planner knobs in cuda/device.cu need, without CUDA headers.
+//
+// The sm90 kernels serve ragged and paged prefill with fp16/bf16 q/k/v on compute capability
+// 9.x, head_dim up to 256 (multiples of 8, padded to 64/128/256), any GQA group up to the CTA
+// tile's rows. Everything else (older GPUs, fp8 K/V, a group wider than the tile) goes to the
+// portable sm80 kernels, which serve every plan; prefill_unsupported_reason says why.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "cuda/prefill_args.hpp"
+#include "tessera/types.hpp"
+
+namespace tessera::detail::sm90 {
+
+// One compiled kernel (head_dim bucket x dtype x soft-cap) and its launch shape.
+struct PrefillKernel {
+  const char* name;
+  int head_dim;  // instantiated head_dim (64, 128, 256)
+  int block_m;   // packed query rows of a CTA tile (64 per consumer warpgroup)
+  int block_n;   // keys per K/V tile
+  int num_threads;
+  int stages;
+  size_t smem_bytes;
+  // Builds the TMA tensor maps for the problem's tensors and launches one CTA per worker on
+  // `stream`. Returns false without launching, the reason in *why, when TMA cannot read q (a
+  // stride it does not take, a group wider than the tile): the caller runs the sm80 kernel.
+  // K/V and o that TMA cannot describe are gathered / stored by threads instead. Throws
+  // tessera::Error naming the kernel and launch shape when the launch fails.
+  bool (*try_launch)(const PrefillArgs& args, void* stream, std::string* why);
+};
+
+// Instantiated head_dim that serves `head_dim` (next of 64, 128, 256), 0 when none does.
+constexpr int prefill_head_dim_bucket(int head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0) return 0;
+  if (head_dim <= 64) return 64;
+  if (head_dim <= 128) return 128;
+  if (head_dim <= 256) return 256;
+  return 0;
+}
+
+// Packed rows of a CTA tile for a GQA group: whole tokens, each with its whole group
+// (block_m / group tokens), or 0 when the group is wider than the tile.
+constexpr int prefill_tile_rows(int block_m, int group) {
+  return group >= 1 && group <= block_m ? block_m / group * group : 0;
+}
+
+// Per-bucket tables, one per translation unit (prefill_d64.cu, prefill_d128.cu, prefill_d256.cu).
+const PrefillKernel* prefill_kernel_d64(DType dtype, bool soft_cap);
+const PrefillKernel* prefill_kernel_d128(DType dtype, bool soft_cap);
+const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap);
+
+inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool soft_cap) {
+  switch (prefill_head_dim_bucket(head_dim)) {
+    case 64: return prefill_kernel_d64(dtype, soft_cap);
+    case 128: return prefill_kernel_d128(dtype, soft_cap);
+    case 256: return prefill_kernel_d256(dtype, soft_cap);
+    default: return nullptr;
+  }
+}
+
+// Empty when the sm90 kernels can serve prefill of this shape on a device of compute capability
+// sm_major.sm_minor; otherwise why not (shown by `tessera plan --explain`). Also honours
+// TESSERA_PREFILL_KERNEL=sm80 (forces the portable kernels, for side-by-side timing).
+std::string prefill_unsupported_reason(int sm_major, int head_dim, int num_qo_heads,
+                                       int num_kv_heads, DType q_dtype, DType kv_dtype);
+
+}  // namespace tessera::detail::sm90

@@ -1,0 +1,499 @@
+// Consumer warpgroups of the sm90 prefill kernel: wgmma for S = Q K^T (both operands in shared
+// memory) and O += P V (P in registers, V in shared memory), online softmax in between, and
+// the epilogue. Each consumer warpgroup owns 64 packed rows of the CTA tile; all of them read
+// the same K/V ring slots.
+//
+// Schedule of one CTA tile with n key tiles (FlashAttention-3, arXiv:2407.08608, 3.2):
+//   S_0 = Q K_0^T; softmax(S_0) -> P_0
+//   for t = 1 .. n-1:                               intra-warpgroup pipelining:
+//     issue S_t = Q K_t^T                             S_t runs on the tensor cores while
+//     O *= correction_{t-1}; issue O += P_{t-1} V_{t-1}  P_{t-1} V_{t-1} is queued behind it,
+//     wait S_t; softmax(S_t) -> P_t, correction_t    and the softmax of S_t overlaps P V
+//     wait P_{t-1} V_{t-1}
+//   O *= correction_{n-1}; O += P_{n-1} V_{n-1}; epilogue
+// Ping-pong between warpgroups (same paper, 3.1): a warpgroup issues its GEMMs only after the
+// previous warpgroup issued its own (named barrier per warpgroup, passed round-robin), so one
+// warpgroup's softmax runs while another's GEMMs keep the tensor cores busy.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+
+#include "core/problem.hpp"
+#include "cuda/ptx/convert.cuh"
+#include "cuda/ptx/math.cuh"
+#include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/shuffle.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/sm90/prefill_producer.cuh"
+#include "cuda/sm90/prefill_tile.cuh"
+#include "cuda/sm90/prefill_traits.cuh"
+
+namespace tessera::detail::sm90 {
+
+template <DType kDType>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  if constexpr (kDType == DType::kBFloat16) {
+    return ptx::pack_bf16x2(lo, hi);
+  } else {
+    return ptx::pack_f16x2(lo, hi);
+  }
+}
+
+template <class Traits, DType kDType, bool kSoftCap>
+class PrefillConsumer {
+  static constexpr int kScoreRegs = Traits::kScoreRegisters;
+  static constexpr int kOutputRegs = Traits::kOutputRegisters;
+  static constexpr int kKeySteps = Traits::kKeySteps;
+  static constexpr uint32_t kSchedulerThreads = 2 * Traits::kWarpgroupThreads;
+
+  // The two rows of the tile this thread holds accumulator elements of (h = 0: d[4j + 0, 1],
+  // h = 1: d[4j + 2, 3]), with their visible keys clamped to the work item's range.
+  struct Rows {
+    int32_t row[2];    // packed row within the CTA tile
+    int32_t first[2];  // visible keys [first, last); empty for padding rows
+    int32_t last[2];
+  };
+
+  // Online-softmax state of this thread's two rows.
+  struct Softmax {
+    float row_max[2];     // max of the raw scores so far (quad-reduced)
+    float row_sum[2];     // this lane's part of sum 2^(s * scale - max * scale)
+    float correction[2];  // 2^((old max - new max) * scale) of the last update
+  };
+
+ public:
+  __device__ __forceinline__ PrefillConsumer(const PrefillParams& params,
+                                             const PrefillSmem<Traits>& smem, int warpgroup)
+      : params_(params),
+        problem_(params.args.problem),
+        smem_(smem),
+        warpgroup_(warpgroup),
+        thread_(static_cast<int>(threadIdx.x) - Traits::kProducerThreads),
+        lane_(static_cast<int>(threadIdx.x % 32)) {}
+
+  __device__ void run() {
+    // Ping-pong: warpgroup 0 holds the first turn.
+    if (warpgroup_ == 0) ptx::named_barrier_arrive(scheduler_barrier(0), kSchedulerThreads);
+    const int32_t worker = blockIdx.x;
+    const int32_t work_begin = params_.args.worker_indptr[worker];
+    const int32_t work_end = params_.args.worker_indptr[worker + 1];
+    RingState ring;
+    int32_t q_count = 0;
+    for (int32_t w = work_begin; w < work_end; ++w) {
+      const WorkItem item = params_.args.work[w];
+      for (int32_t offset = 0; offset < item.q_len; offset += params_.tokens_per_tile) {
+        const PrefillTile tile =
+            make_prefill_tile<Traits::kBlockN>(problem_, item, offset, params_.tokens_per_tile);
+        const Rows rows = make_rows(tile);
+        float o[kOutputRegs];
+#pragma unroll
+        for (int i = 0; i < kOutputRegs; ++i) o[i] = 0.0f;
+        Softmax softmax{{-INFINITY, -INFINITY}, {0.0f, 0.0f}, {0.0f, 0.0f}};
+        if (tile.num_key_tiles == 0) {
+          store_direct(tile, rows, o, softmax);  // o = 0, lse = -inf; no Q, no K/V, no barrier
+          continue;
+        }
+        attend(tile, rows, ring, q_count, o, softmax);
+        if (tile.partial_row >= 0) {
+          store_direct(tile, rows, o, softmax);
+        } else {
+          store_staged(tile, rows, o, softmax);
+        }
+        if constexpr (!Traits::kSeparateOutputSmem) {
+          // The output was staged in Q's buffer: hand it back only now.
+          ptx::fence_proxy_async_shared();
+          release(smem_.q_empty());
+        }
+      }
+    }
+    // The last warpgroup's final hand-over is addressed to warpgroup 0: consume it, so no named
+    // barrier is left half-arrived when the CTA exits.
+    if (warpgroup_ == 0) ptx::named_barrier_sync(scheduler_barrier(0), kSchedulerThreads);
+    if (thread_ == 0) ptx::tma_store_wait_all();
+  }
+
+ private:
+  __device__ __forceinline__ static uint32_t scheduler_barrier(int warpgroup) {
+    return kSchedulerBarrierBase + static_cast<uint32_t>(warpgroup);
+  }
+  __device__ __forceinline__ void scheduler_wait() const {
+    if constexpr (Traits::kConsumerWarpgroups > 1) {
+      ptx::named_barrier_sync(scheduler_barrier(warpgroup_), kSchedulerThreads);
+    }
+  }
+  __device__ __forceinline__ void scheduler_pass() const {
+    if constexpr (Traits::kConsumerWarpgroups > 1) {
+      ptx::named_barrier_arrive(
+          scheduler_barrier((warpgroup_ + 1) % Traits::kConsumerWarpgroups), kSchedulerThreads);
+    }
+  }
+  // One arrival per consumer warp (empty barriers count kConsumerWarps). wgmma.wait_group is
+  // warp-synchronous, so lane 0 arriving after it speaks for the whole warp.
+  __device__ __forceinline__ void release(uint32_t barrier) const {
+    if (lane_ == 0) ptx::mbarrier_arrive(barrier);
+  }
+
+  __device__ __forceinline__ Rows make_rows(const PrefillTile& tile) const {
+    Rows rows;
+    const int32_t group = problem_.group_size();
+    const int warp = (thread_ / 32) % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int32_t row = warpgroup_ * 64 + warp * 16 + lane_ / 4 + 8 * h;
+      rows.row[h] = row;
+      int32_t first = 0, last = 0;
+      if (row < tile.rows) {
+        problem_.mask.visible_range(tile.token0 + row / group, tile.q_len, tile.kv_len, &first,
+                                    &last);
+        first = max(first, tile.kv_start);
+        last = max(first, min(last, tile.kv_end));
+      }
+      rows.first[h] = first;
+      rows.last[h] = last;
+    }
+    return rows;
+  }
+
+  // Waits for ring slot `stage` of `full` (use parity) and, when the producer gathered the tile
+  // with cp.async (generic proxy), orders those writes before this warpgroup's wgmma reads.
+  __device__ __forceinline__ void wait_full(uint32_t full, uint32_t parity, bool gathered) const {
+    ptx::mbarrier_wait(full, parity);
+    if (gathered) ptx::fence_proxy_async_shared();
+  }
+
+  // S = Q K^T for the key tile in ring slot `stage`: kHeadSteps wgmma, one commit group.
+  __device__ __forceinline__ void issue_scores(float (&s)[kScoreRegs], int stage) const {
+    const uint32_t q_rows = smem_.q() + static_cast<uint32_t>(warpgroup_ * 64 * Traits::kRowBytes);
+    const uint64_t a0 = ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(q_rows, 16, 1024));
+    const uint64_t b0 = ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(smem_.k(stage), 16, 1024));
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < Traits::kHeadSteps; ++step) {
+      const uint32_t in_block = static_cast<uint32_t>((step % 4) * 32);
+      const uint32_t block = static_cast<uint32_t>(step / 4);
+      const uint64_t a = ptx::wgmma_descriptor_advance(
+          a0, block * static_cast<uint32_t>(Traits::kQBlockBytes) + in_block);
+      const uint64_t b = ptx::wgmma_descriptor_advance(
+          b0, block * static_cast<uint32_t>(Traits::kKVBlockBytes) + in_block);
+      ptx::Wgmma<Traits::kBlockN, kDType>::ss(s, a, b, step > 0 ? 1 : 0);
+    }
+    ptx::wgmma_commit_group();
+  }
+
+  // O += P V for the key tile in ring slot `stage`: kKeySteps wgmma (A = P from registers,
+  // B = V MN-major), one commit group.
+  __device__ __forceinline__ void issue_pv(float (&o)[kOutputRegs],
+                                           const uint32_t (&p)[kKeySteps][4], int stage) const {
+    const uint64_t b0 = ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(
+        smem_.v(stage), static_cast<uint32_t>(Traits::kKVBlockBytes), 1024));
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kKeySteps; ++step) {
+      const uint64_t b = ptx::wgmma_descriptor_advance(
+          b0, static_cast<uint32_t>(step * 16 * Traits::kRowBytes));
+      ptx::Wgmma<Traits::kHeadDim, kDType>::rs_b_mn_major(o, p[step], b, 1);
+    }
+    ptx::wgmma_commit_group();
+  }
+
+  // Soft-cap, mask and online softmax of key tile t; afterwards s holds the unnormalised
+  // probabilities 2^(s * scale - max * scale).
+  __device__ __forceinline__ void softmax_tile(float (&s)[kScoreRegs], const PrefillTile& tile,
+                                               const Rows& rows, int t, Softmax& softmax) const {
+    if constexpr (kSoftCap) {
+      // log2(e) * cap * tanh(sm_scale * s / cap) from ex2 and rcp (see sm80/prefill_kernel.cuh).
+      const float pre = params_.args.soft_cap_pre, post = params_.args.soft_cap_post;
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) {
+        const float exp_2x = ptx::ex2_approx(pre * s[i]);
+        s[i] = post * fmaf(-2.0f, ptx::rcp_approx(exp_2x + 1.0f), 1.0f);
+      }
+    }
+    if (key_tile_needs_mask<Traits::kBlockN>(tile, t)) {
+      const int32_t key_base = tile.key0 + t * Traits::kBlockN + 2 * (lane_ % 4);
+#pragma unroll
+      for (int j = 0; j < kScoreRegs / 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int32_t key = key_base + 8 * j + e;
+            if (key < rows.first[h] || key >= rows.last[h]) s[4 * j + 2 * h + e] = -INFINITY;
+          }
+        }
+      }
+    }
+    const float scale = params_.args.score_scale_log2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float new_max = softmax.row_max[h];
+#pragma unroll
+      for (int j = 0; j < kScoreRegs / 4; ++j) {
+        new_max = fmaxf(new_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+      }
+      new_max = ptx::quad_max(new_max);
+      // As in the sm80 kernel: a row with only masked keys so far keeps max = -inf and uses 0
+      // as the exponent base (exact zeros, no -inf - -inf), and the exponent is s * scale - base
+      // with the product rounded on its own, so the row maximum gives exactly 2^0.
+      const float base = new_max == -INFINITY ? 0.0f : __fmul_rn(new_max, scale);
+      const float correction = ptx::ex2_approx(__fmul_rn(softmax.row_max[h], scale) - base);
+      softmax.row_max[h] = new_max;
+      softmax.correction[h] = correction;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kScoreRegs / 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& value = s[4 * j + 2 * h + e];
+          value = ptx::ex2_approx(__fmul_rn(value, scale) - base);
+          sum += value;
+        }
+      }
+      softmax.row_sum[h] = softmax.row_sum[h] * correction + sum;
+    }
+  }
+
+  __device__ __forceinline__ void rescale_output(float (&o)[kOutputRegs],
+                                                 const Softmax& softmax) const {
+#pragma unroll
+    for (int j = 0; j < kOutputRegs / 4; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        o[4 * j + 2 * h] *= softmax.correction[h];
+        o[4 * j + 2 * h + 1] *= softmax.correction[h];
+      }
+    }
+  }
+
+  // P's A fragments from the probabilities (see ptx/wgmma.cuh: columns 16k .. 16k + 15 of the
+  // S accumulator are k-step k of P V).
+  __device__ __forceinline__ static void pack_probabilities(const float (&s)[kScoreRegs],
+                                                            uint32_t (&p)[kKeySteps][4]) {
+#pragma unroll
+    for (int k = 0; k < kKeySteps; ++k) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[k][i] = pack_pair<kDType>(s[8 * k + 2 * i], s[8 * k + 2 * i + 1]);
+    }
+  }
+
+  // The main loop of one CTA tile (schedule at the top of this file).
+  __device__ void attend(const PrefillTile& tile, const Rows& rows, RingState& ring,
+                         int32_t& q_count, float (&o)[kOutputRegs], Softmax& softmax) {
+    float s[kScoreRegs];
+    uint32_t p[kKeySteps][4];
+    const int n = tile.num_key_tiles;
+    ptx::mbarrier_wait(smem_.q_full(), static_cast<uint32_t>(q_count & 1));
+    ++q_count;
+
+    // Key tile 0.
+    int stage = ring.stage<Traits::kStages>();
+    wait_full(smem_.k_full(stage), ring.parity<Traits::kStages>(),
+              key_tile_is_gathered<Traits::kBlockN>(params_, tile, 0));
+    scheduler_wait();
+    issue_scores(s, stage);
+    scheduler_pass();
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(s);
+    release(smem_.k_empty(stage));
+    if (Traits::kSeparateOutputSmem && n == 1) release(smem_.q_empty());
+    softmax_tile(s, tile, rows, 0, softmax);
+    pack_probabilities(s, p);
+    RingState previous = ring;  // the slot whose V the pending P multiplies
+    ++ring.count;
+
+    for (int t = 1; t < n; ++t) {
+      stage = ring.stage<Traits::kStages>();
+      const int previous_stage = previous.stage<Traits::kStages>();
+      wait_full(smem_.k_full(stage), ring.parity<Traits::kStages>(),
+                key_tile_is_gathered<Traits::kBlockN>(params_, tile, t));
+      scheduler_wait();
+      issue_scores(s, stage);
+      rescale_output(o, softmax);
+      wait_full(smem_.v_full(previous_stage), previous.parity<Traits::kStages>(),
+                key_tile_is_gathered<Traits::kBlockN>(params_, tile, t - 1));
+      issue_pv(o, p, previous_stage);
+      scheduler_pass();
+      ptx::wgmma_wait_group<1>();  // S_t is done (P_{t-1} V_{t-1} may still run)
+      ptx::wgmma_fence_operands(s);
+      release(smem_.k_empty(stage));
+      if (Traits::kSeparateOutputSmem && t == n - 1) release(smem_.q_empty());
+      softmax_tile(s, tile, rows, t, softmax);
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(o);
+#pragma unroll
+      for (int k = 0; k < kKeySteps; ++k) ptx::wgmma_fence_operands(p[k]);
+      release(smem_.v_empty(previous_stage));
+      pack_probabilities(s, p);
+      previous = ring;
+      ++ring.count;
+    }
+
+    // The last P V.
+    rescale_output(o, softmax);
+    const int last_stage = previous.stage<Traits::kStages>();
+    wait_full(smem_.v_full(last_stage), previous.parity<Traits::kStages>(),
+              key_tile_is_gathered<Traits::kBlockN>(params_, tile, n - 1));
+    scheduler_wait();
+    issue_pv(o, p, last_stage);
+    scheduler_pass();
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(o);
+#pragma unroll
+    for (int k = 0; k < kKeySteps; ++k) ptx::wgmma_fence_operands(p[k]);
+    release(smem_.v_empty(last_stage));
+  }
+
+  // Divides O by the row sums; lse (natural log) of each row, -inf for a row that saw no key.
+  __device__ __forceinline__ void normalise(float (&o)[kOutputRegs], const Softmax& softmax,
+                                            float (&lse)[2]) const {
+    constexpr float kLn2 = std::numbers::ln2_v<float>;
+    const float scale = params_.args.score_scale_log2;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = ptx::quad_sum(softmax.row_sum[h]);
+      const bool any_key = sum > 0.0f;
+      const float inverse = any_key ? 1.0f / sum : 0.0f;
+      lse[h] = any_key ? (softmax.row_max[h] * scale + log2f(sum)) * kLn2 : -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kOutputRegs / 4; ++j) {
+        o[4 * j + 2 * h] *= inverse;
+        o[4 * j + 2 * h + 1] *= inverse;
+      }
+    }
+  }
+
+  __device__ __forceinline__ int32_t output_token(const PrefillTile& tile, int32_t row) const {
+    return tile.q_begin + tile.token0 + row / problem_.group_size();
+  }
+  __device__ __forceinline__ int32_t output_head(const PrefillTile& tile, int32_t row) const {
+    const int32_t group = problem_.group_size();
+    return tile.kv_head * group + row % group;
+  }
+
+  // Straight from registers: float partials of a split key range (row item.partial_row +
+  // packed row within the item, as the merge kernel expects), or o in q's dtype for a tile
+  // without keys.
+  __device__ void store_direct(const PrefillTile& tile, const Rows& rows,
+                               float (&o)[kOutputRegs], const Softmax& softmax) const {
+    float lse[2];
+    normalise(o, softmax, lse);
+    const int32_t head_dim = problem_.head_dim;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int32_t row = rows.row[h];
+      if (row >= tile.rows) continue;
+      if (tile.partial_row >= 0) {
+        const int64_t partial_row = int64_t{tile.partial_row} + tile.first_row_in_item + row;
+        float* dst = params_.args.partial_o + partial_row * head_dim;
+#pragma unroll
+        for (int j = 0; j < kOutputRegs / 4; ++j) {
+          const int column = 8 * j + 2 * (lane_ % 4);
+          if (column < head_dim) {
+            *reinterpret_cast<float2*>(dst + column) =
+                make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+          }
+        }
+        if (lane_ % 4 == 0) params_.args.partial_lse[partial_row] = lse[h];
+      } else {
+        const int32_t token = output_token(tile, row);
+        const int32_t head = output_head(tile, row);
+        uint16_t* dst = static_cast<uint16_t*>(problem_.o) + token * problem_.o_stride_token +
+                        head * problem_.o_stride_head;
+#pragma unroll
+        for (int j = 0; j < kOutputRegs / 4; ++j) {
+          const int column = 8 * j + 2 * (lane_ % 4);
+          if (column < head_dim) {
+            *reinterpret_cast<uint32_t*>(dst + column) =
+                pack_pair<kDType>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+          }
+        }
+        if (problem_.lse != nullptr && lane_ % 4 == 0) {
+          problem_.lse[token * problem_.lse_stride_token + head] = lse[h];
+        }
+      }
+    }
+  }
+
+  // o in q's dtype through the staging tile: a TMA store of the whole tile when it holds
+  // tokens_per_tile tokens (it then lies inside one request) and o has a map, else 16-byte
+  // stores of its rows.
+  __device__ void store_staged(const PrefillTile& tile, const Rows& rows, float (&o)[kOutputRegs],
+                               const Softmax& softmax) const {
+    float lse[2];
+    normalise(o, softmax, lse);
+    // The previous tile's TMA store must have read the staging tile before it is rewritten.
+    if (thread_ == 0) ptx::tma_store_wait_read();
+    ptx::named_barrier_sync(kEpilogueBarrier, Traits::kConsumerThreads);
+    unsigned char* staging = smem_.o_generic();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      // Opaque, so the optimiser does not hoist this thread's 2 x head_dim / 8 staging offsets
+      // out of the tile loop and keep them live through the main loop.
+      int32_t row = rows.row[h];
+      asm volatile("" : "+r"(row));
+      const uint32_t row_offset = static_cast<uint32_t>(row) * Traits::kRowBytes;
+#pragma unroll
+      for (int j = 0; j < kOutputRegs / 4; ++j) {
+        const uint32_t offset = static_cast<uint32_t>(j / 8) * Traits::kQBlockBytes + row_offset +
+                                static_cast<uint32_t>(((j % 8) ^ (row % 8)) << 4) +
+                                4 * static_cast<uint32_t>(lane_ % 4);
+        *reinterpret_cast<uint32_t*>(staging + offset) =
+            pack_pair<kDType>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+      }
+      if (problem_.lse != nullptr && lane_ % 4 == 0 && row < tile.rows) {
+        problem_.lse[output_token(tile, row) * problem_.lse_stride_token +
+                     output_head(tile, row)] = lse[h];
+      }
+    }
+    if (params_.o_tma != 0 && tile.tokens == params_.tokens_per_tile) {
+      ptx::fence_proxy_async_shared();  // the stores above, before the TMA unit reads them
+      ptx::named_barrier_sync(kEpilogueBarrier, Traits::kConsumerThreads);
+      if (thread_ == 0) {
+        const int32_t group = problem_.group_size();
+#pragma unroll
+        for (int block = 0; block < Traits::kColumnBlocks; ++block) {
+          ptx::tma_store_3d(&params_.o_map,
+                            smem_.o() + block * static_cast<uint32_t>(Traits::kQBlockBytes),
+                            block * 64, tile.kv_head * group, tile.q_begin + tile.token0);
+        }
+        ptx::tma_store_commit();
+        // Staged in Q's buffer: the producer may refill it once the store has read it.
+        if constexpr (!Traits::kSeparateOutputSmem) ptx::tma_store_wait_read();
+      }
+      __syncwarp();
+      return;
+    }
+    ptx::named_barrier_sync(kEpilogueBarrier, Traits::kConsumerThreads);
+    constexpr int kChunksPerRow = Traits::kColumnBlocks * 8;
+    const int32_t head_dim = problem_.head_dim;
+    for (int index = thread_; index < tile.rows * kChunksPerRow;
+         index += Traits::kConsumerThreads) {
+      const int32_t row = index / kChunksPerRow;
+      const int chunk = index % kChunksPerRow;
+      if (chunk * 8 >= head_dim) continue;
+      const uint4 value = *reinterpret_cast<const uint4*>(
+          staging + (chunk / 8) * Traits::kQBlockBytes + row * Traits::kRowBytes +
+          (((chunk % 8) ^ (row % 8)) << 4));
+      uint16_t* dst = static_cast<uint16_t*>(problem_.o) +
+                      output_token(tile, row) * problem_.o_stride_token +
+                      output_head(tile, row) * problem_.o_stride_head + chunk * 8;
+      *reinterpret_cast<uint4*>(dst) = value;
+    }
+    __syncwarp();
+  }
+
+  const PrefillParams& params_;
+  const AttentionProblem& problem_;
+  PrefillSmem<Traits> smem_;
+  int warpgroup_;  // consumer warpgroup 0 .. kConsumerWarpgroups - 1
+  int thread_;     // consumer thread 0 .. kConsumerThreads - 1
+  int lane_;
+};
+
+}  // namespace tessera::detail::sm90

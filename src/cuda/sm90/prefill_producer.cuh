@@ -1,0 +1,273 @@
+// Producer warpgroup of the sm90 prefill kernel: walks the CTA's work items exactly as the
+// consumers do and fills, per CTA tile, the Q buffer and one K and one V ring slot per key tile.
+//
+// Per key tile t (ring slot s = count % kStages, use u = count / kStages):
+//   every producer thread waits until slot s is free (empty barrier, parity of use u - 1);
+//   TMA tile:    thread 0 announces the bytes (arrive.expect_tx) and issues the copies, the
+//                other 127 threads arrive plainly - the full barrier counts 128 arrivals;
+//   gathered:    all 128 threads issue cp.async (zero-filling keys past the request), then
+//                cp.async.mbarrier.arrive.noinc - one arrival each when their copies land.
+// K of tile 0 goes out before Q (it does not wait for the previous tile's consumers), then Q
+// (once the consumers released the Q buffer), then V of tile 0, K of tile 1, and so on.
+//
+// Paged caches: page ids (TMA) or row offsets (gather) of key tile t + 1 are looked up into a
+// shared table while tile t is in flight, so no dependent global load sits in front of a copy.
+#pragma once
+
+#include <cstdint>
+
+#include "core/problem.hpp"
+#include "cuda/ptx/cp_async.cuh"
+#include "cuda/ptx/mbarrier.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/warpgroup.cuh"
+#include "cuda/sm90/prefill_tile.cuh"
+#include "cuda/sm90/prefill_traits.cuh"
+
+namespace tessera::detail::sm90 {
+
+// Shared-memory addresses of the ring, the Q buffer, the key table and the barriers.
+template <class Traits>
+struct PrefillSmem {
+  uint32_t base;  // 1024-aligned .shared address
+  unsigned char* generic;  // the same byte as a generic pointer
+
+  __device__ __forceinline__ uint32_t q() const { return base + Traits::kQOffset; }
+  __device__ __forceinline__ uint32_t k(int stage) const {
+    return base + static_cast<uint32_t>(Traits::kKOffset + stage * Traits::kKVStageBytes);
+  }
+  __device__ __forceinline__ uint32_t v(int stage) const {
+    return base + static_cast<uint32_t>(Traits::kVOffset + stage * Traits::kKVStageBytes);
+  }
+  __device__ __forceinline__ uint32_t o() const { return base + Traits::kOOffset; }
+  __device__ __forceinline__ unsigned char* o_generic() const {
+    return generic + Traits::kOOffset;
+  }
+  // Key table slot: kBlockN entries of {k, v} int64 (gather: element offsets of the rows,
+  // -1 = past the request; TMA: entry i's k = page id of the tile's i-th page).
+  __device__ __forceinline__ int64_t* key_table(int slot) const {
+    return reinterpret_cast<int64_t*>(generic + Traits::kKeyTableOffset) +
+           slot * 2 * Traits::kBlockN;
+  }
+  __device__ __forceinline__ uint32_t barrier(int index) const {
+    return base + static_cast<uint32_t>(Traits::kBarrierOffset + 8 * index);
+  }
+  __device__ __forceinline__ uint32_t q_full() const { return barrier(0); }
+  __device__ __forceinline__ uint32_t q_empty() const { return barrier(1); }
+  __device__ __forceinline__ uint32_t k_full(int stage) const { return barrier(2 + stage); }
+  __device__ __forceinline__ uint32_t k_empty(int stage) const {
+    return barrier(2 + Traits::kStages + stage);
+  }
+  __device__ __forceinline__ uint32_t v_full(int stage) const {
+    return barrier(2 + 2 * Traits::kStages + stage);
+  }
+  __device__ __forceinline__ uint32_t v_empty(int stage) const {
+    return barrier(2 + 3 * Traits::kStages + stage);
+  }
+};
+
+// Ring position shared by the K and V rings (one K and one V slot per key tile).
+struct RingState {
+  int32_t count = 0;  // key tiles produced (or consumed) so far by this CTA
+  template <int kStages>
+  __device__ __forceinline__ int stage() const {
+    return count % kStages;
+  }
+  template <int kStages>
+  __device__ __forceinline__ uint32_t parity() const {
+    return static_cast<uint32_t>((count / kStages) & 1);
+  }
+};
+
+template <class Traits>
+class PrefillProducer {
+ public:
+  __device__ __forceinline__ PrefillProducer(const PrefillParams& params,
+                                             const PrefillSmem<Traits>& smem)
+      : params_(params), problem_(params.args.problem), smem_(smem) {}
+
+  __device__ void run() {
+    const int thread = threadIdx.x;  // 0 .. 127: the producer warpgroup is warpgroup 0
+    if (thread == 0) {
+      ptx::prefetch_tensor_map(&params_.q_map);
+      if (params_.kv_tma != 0) {
+        ptx::prefetch_tensor_map(&params_.k_map);
+        ptx::prefetch_tensor_map(&params_.v_map);
+      }
+    }
+    const int32_t worker = blockIdx.x;
+    const int32_t work_begin = params_.args.worker_indptr[worker];
+    const int32_t work_end = params_.args.worker_indptr[worker + 1];
+    RingState ring;
+    int32_t q_count = 0;
+    for (int32_t w = work_begin; w < work_end; ++w) {
+      const WorkItem item = params_.args.work[w];
+      for (int32_t offset = 0; offset < item.q_len; offset += params_.tokens_per_tile) {
+        const PrefillTile tile =
+            make_prefill_tile<Traits::kBlockN>(problem_, item, offset, params_.tokens_per_tile);
+        if (tile.num_key_tiles == 0) continue;  // consumers write o = 0 without Q or K/V
+        produce_tile(tile, ring, q_count);
+      }
+    }
+    ptx::cp_async_wait_group<0>();  // no copy of this thread outlives it
+  }
+
+ private:
+  __device__ void produce_tile(const PrefillTile& tile, RingState& ring, int32_t& q_count) {
+    const KVSource& kv = problem_.kv;
+    const int32_t page_base = kv.paged ? kv.page_indptr[tile.request] : 0;
+    const int32_t kv_row_base = kv.paged ? 0 : kv.kv_indptr[tile.request];
+    if (kv.paged) {
+      // Every thread is done reading the previous tile's table slots before slot 0 is refilled.
+      ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
+      fill_key_table(tile, 0, page_base, 0);
+    }
+    for (int t = 0; t < tile.num_key_tiles; ++t) {
+      const int slot = t % 2;
+      if (kv.paged) ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
+      const bool gathered = key_tile_is_gathered<Traits::kBlockN>(params_, tile, t);
+      const int stage = ring.stage<Traits::kStages>();
+      const uint32_t free_parity = ring.parity<Traits::kStages>() ^ 1;
+
+      ptx::mbarrier_wait(smem_.k_empty(stage), free_parity);
+      load_key_tile(tile, t, slot, gathered, kv_row_base, /*values=*/false, smem_.k(stage),
+                    smem_.k_full(stage));
+      if (t == 0) load_q(tile, q_count++);
+      ptx::mbarrier_wait(smem_.v_empty(stage), free_parity);
+      load_key_tile(tile, t, slot, gathered, kv_row_base, /*values=*/true, smem_.v(stage),
+                    smem_.v_full(stage));
+      ++ring.count;
+      // The lookups of tile t + 1 overlap the copies of tile t; the barrier at the top of the
+      // next iteration publishes them (and ends every thread's reads of that slot from t - 1).
+      if (kv.paged && t + 1 < tile.num_key_tiles) fill_key_table(tile, t + 1, page_base, slot ^ 1);
+    }
+  }
+
+  // Q of the tile: one 3-d box {64 columns, group heads, tokens_per_tile tokens} per column
+  // block. Rows past the tile's tokens are whatever follows in q (or zeros past its end): they
+  // only feed padding rows, which are never stored.
+  __device__ __forceinline__ void load_q(const PrefillTile& tile, int32_t q_count) {
+    if (threadIdx.x != 0) return;
+    const int32_t group = problem_.group_size();
+    ptx::mbarrier_wait(smem_.q_empty(), static_cast<uint32_t>(q_count & 1) ^ 1);
+    const uint32_t box_bytes =
+        static_cast<uint32_t>(64 * 2 * group * params_.tokens_per_tile);
+    ptx::mbarrier_arrive_expect_tx(smem_.q_full(), box_bytes * Traits::kColumnBlocks);
+#pragma unroll
+    for (int block = 0; block < Traits::kColumnBlocks; ++block) {
+      ptx::tma_load_3d(smem_.q() + block * static_cast<uint32_t>(Traits::kQBlockBytes),
+                       &params_.q_map, smem_.q_full(), block * 64, tile.kv_head * group,
+                       tile.q_begin + tile.token0);
+    }
+  }
+
+  // Paged caches: the table for key tile t in `slot`. One entry per key, one key per thread
+  // (kBlockN <= 2 x 128 threads): the row offsets for a gathered tile, the page id for each
+  // box of a TMA tile.
+  __device__ __forceinline__ void fill_key_table(const PrefillTile& tile, int t,
+                                                 int32_t page_base, int slot) {
+    const KVSource& kv = problem_.kv;
+    int64_t* table = smem_.key_table(slot);
+    const int32_t first_key = tile.key0 + t * Traits::kBlockN;
+    const bool gathered = key_tile_is_gathered<Traits::kBlockN>(params_, tile, t);
+#pragma unroll 1
+    for (int row = threadIdx.x; row < Traits::kBlockN; row += Traits::kProducerThreads) {
+      const int32_t key = first_key + row;
+      if (gathered) {
+        int64_t k_offset = -1, v_offset = -1;
+        if (key < tile.kv_len) {
+          const int64_t page = kv.page_indices[page_base + key / kv.page_size];
+          const int64_t in_page = key % kv.page_size;
+          k_offset = page * kv.k_stride_page + in_page * kv.k_stride_token +
+                     tile.kv_head * kv.k_stride_head;
+          v_offset = page * kv.v_stride_page + in_page * kv.v_stride_token +
+                     tile.kv_head * kv.v_stride_head;
+        }
+        table[2 * row] = k_offset;
+        table[2 * row + 1] = v_offset;
+      } else if (row * params_.kv_box_rows < Traits::kBlockN) {
+        // Box `row` starts at key first_key + row * box_rows (never past kv_len: TMA tiles lie
+        // inside the request).
+        const int32_t box_key = first_key + row * params_.kv_box_rows;
+        table[2 * row] = kv.page_indices[page_base + box_key / kv.page_size];
+      }
+    }
+  }
+
+  // One K (values = false) or V tile into `dst`, completing on `full`.
+  __device__ __forceinline__ void load_key_tile(const PrefillTile& tile, int t, int slot,
+                                                bool gathered, int32_t kv_row_base, bool values,
+                                                uint32_t dst, uint32_t full) {
+    const KVSource& kv = problem_.kv;
+    const int32_t first_key = tile.key0 + t * Traits::kBlockN;
+    if (!gathered) {
+      if (threadIdx.x != 0) {
+        ptx::mbarrier_arrive(full);
+        return;
+      }
+      const CUtensorMap* map = values ? &params_.v_map : &params_.k_map;
+      ptx::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(Traits::kKVStageBytes));
+      const int32_t heads_first = params_.kv_heads_first;
+      if (!kv.paged) {
+        const int32_t row = kv_row_base + first_key;
+#pragma unroll
+        for (int block = 0; block < Traits::kColumnBlocks; ++block) {
+          ptx::tma_load_3d(dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes), map, full,
+                           block * 64, heads_first ? tile.kv_head : row,
+                           heads_first ? row : tile.kv_head);
+        }
+        return;
+      }
+      const int32_t box_rows = params_.kv_box_rows;
+      const int32_t row_in_page = first_key % kv.page_size;  // 0 unless page_size > BLOCK_N
+      const int64_t* table = smem_.key_table(slot);
+#pragma unroll 1
+      for (int box = 0; box * box_rows < Traits::kBlockN; ++box) {
+        const int32_t page = static_cast<int32_t>(table[2 * box]);
+#pragma unroll
+        for (int block = 0; block < Traits::kColumnBlocks; ++block) {
+          ptx::tma_load_4d(dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes) +
+                               box * box_rows * static_cast<uint32_t>(Traits::kRowBytes),
+                           map, full, block * 64, heads_first ? tile.kv_head : row_in_page,
+                           heads_first ? row_in_page : tile.kv_head, page);
+        }
+      }
+      return;
+    }
+    // Gather: thread -> 16-byte chunk (thread % 8) of rows thread / 8 + 16 i, every column
+    // block; the chunk lands at its swizzled place (chunk ^ row % 8, ptx/wgmma.cuh).
+    const auto* base = static_cast<const uint16_t*>(values ? kv.v : kv.k);
+    const int64_t stride_token = values ? kv.v_stride_token : kv.k_stride_token;
+    const int64_t stride_head = values ? kv.v_stride_head : kv.k_stride_head;
+    const int64_t* table = smem_.key_table(slot);
+    const int chunk = threadIdx.x % 8;
+#pragma unroll 1
+    for (int row = threadIdx.x / 8; row < Traits::kBlockN; row += Traits::kProducerThreads / 8) {
+      int64_t offset;
+      if (kv.paged) {
+        offset = table[2 * row + (values ? 1 : 0)];
+      } else {
+        const int32_t key = first_key + row;
+        offset = key < tile.kv_len ? (kv_row_base + int64_t{key}) * stride_token +
+                                         int64_t{tile.kv_head} * stride_head
+                                   : -1;
+      }
+      const uint32_t row_dst = dst + row * static_cast<uint32_t>(Traits::kRowBytes) +
+                               static_cast<uint32_t>((chunk ^ (row % 8)) << 4);
+#pragma unroll
+      for (int block = 0; block < Traits::kColumnBlocks; ++block) {
+        const int column = block * 64 + chunk * 8;
+        const bool valid = offset >= 0 && column < problem_.head_dim;
+        ptx::cp_async_16_zfill(row_dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes),
+                               valid ? base + offset + column : base, valid);
+      }
+    }
+    ptx::cp_async_mbarrier_arrive_noinc(full);
+  }
+
+  const PrefillParams& params_;
+  const AttentionProblem& problem_;
+  PrefillSmem<Traits> smem_;
+};
+
+}  // namespace tessera::detail::sm90

@@ -1,0 +1,111 @@
+// Shapes of the Hopper (sm_90a) prefill kernels, one traits struct per instantiated head_dim.
+// Everything the kernel derives from its shape - warp roles, register budgets, fragment sizes,
+// the shared-memory map and the mbarrier layout - is computed here.
+//
+// Roles (FlashAttention-3, arXiv:2407.08608, section 3.1): warpgroup 0 is the producer (one
+// thread issues TMA copies; all four warps gather K/V rows with cp.async where TMA cannot be
+// used), warpgroups 1..kConsumerWarpgroups are consumers, each owning 64 packed query rows of the
+// CTA tile (wgmma's M). Registers move from the producer to the consumers with setmaxnreg.
+//
+// Choice of shapes (after FA3's tile_size_fwd_sm90, BLOCK_N a power of two so that key tiles
+// align with pages):
+//   d64 : 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   ( 97 KiB)
+//   d128: 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (193 KiB)
+//   d256: 128 x  64, 2 consumer warpgroups, 2 K/V stages, O staged in Q's buffer  (193 KiB)
+// One CTA per SM (227 KiB of shared memory per block at most on sm_90). FA3 runs d64 with three
+// consumer warpgroups (192 rows); here the producer needs 56 registers (its paged and gather
+// paths), which leaves 152 per consumer thread for three warpgroups - the d64 consumer spills
+// there - so d64 uses two for now.
+//
+// Registers (nvcc 13.0, -Xptxas -v): 168 at entry for every kernel (the __launch_bounds__ cap
+// of 384 threads), 0 bytes spilled; the producer runs in 56 after setmaxnreg.dec, the consumers
+// in 224 after setmaxnreg.inc (56 x 128 + 224 x 256 = 64512 of 65536).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tessera::detail::sm90 {
+
+template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_,
+          bool kSeparateOutputSmem_>
+struct PrefillShape {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kSeparateOutputSmem = kSeparateOutputSmem_;
+
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // packed query rows per CTA tile
+  static constexpr int kProducerThreads = kWarpgroupThreads;
+  static constexpr int kConsumerThreads = kWarpgroupThreads * kConsumerWarpgroups;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kNumThreads = kProducerThreads + kConsumerThreads;
+
+  // setmaxnreg budgets (FA3 uses 24 / 240; our producer's paged-table and gather code spills
+  // below 56).
+  static constexpr int kProducerRegisters = 56;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 224 : 152;
+  static_assert(kProducerRegisters * kProducerThreads +
+                        kConsumerRegisters * kConsumerThreads <= 65536,
+                "the register budgets exceed the 64K registers of an SM");
+
+  // Per-thread fragments (wgmma m64nNk16, see ptx/wgmma.cuh).
+  static constexpr int kScoreRegisters = kBlockN / 2;   // S = Q K^T accumulator, N = BLOCK_N
+  static constexpr int kOutputRegisters = kHeadDim / 2; // O accumulator, N = head_dim
+  static constexpr int kHeadSteps = kHeadDim / 16;      // k-steps of Q K^T
+  static constexpr int kKeySteps = kBlockN / 16;        // k-steps of P V
+  static constexpr int kColumnBlocks = kHeadDim / 64;   // 128-byte column blocks of a row
+
+  // Shared memory: every tile is kColumnBlocks blocks of [rows][64] 16-bit elements, 128-byte
+  // rows, 128-byte swizzle (what the TMA maps write; see ptx/wgmma.cuh).
+  static constexpr size_t kRowBytes = 128;
+  static constexpr size_t kQBlockBytes = size_t{kBlockM} * kRowBytes;
+  static constexpr size_t kQBytes = kQBlockBytes * kColumnBlocks;
+  static constexpr size_t kKVBlockBytes = size_t{kBlockN} * kRowBytes;
+  static constexpr size_t kKVStageBytes = kKVBlockBytes * kColumnBlocks;
+  static constexpr size_t kQOffset = 0;
+  static constexpr size_t kKOffset = kQOffset + kQBytes;
+  static constexpr size_t kVOffset = kKOffset + kStages * kKVStageBytes;
+  static constexpr size_t kOOffset = kSeparateOutputSmem ? kVOffset + kStages * kKVStageBytes
+                                                         : kQOffset;
+  static constexpr size_t kTilesEnd =
+      kSeparateOutputSmem ? kOOffset + kQBytes : kVOffset + kStages * kKVStageBytes;
+  // Producer-side table of page ids / key row offsets, double-buffered (prefill_producer.cuh).
+  static constexpr size_t kKeyTableOffset = kTilesEnd;
+  static constexpr size_t kKeyTableBytes = 2 * size_t{kBlockN} * 2 * sizeof(int64_t);
+  // mbarriers: q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage.
+  static constexpr size_t kBarrierOffset = kKeyTableOffset + kKeyTableBytes;
+  static constexpr int kNumBarriers = 2 + 4 * kStages;
+  static constexpr size_t kBarrierBytes = size_t{kNumBarriers} * 8;
+  // The dynamic shared-memory window is only guaranteed 16-byte alignment; the kernel rounds
+  // its base up to 1024 (the swizzle atom), which this slack pays for.
+  static constexpr size_t kAlignmentSlack = 1024;
+  static constexpr size_t kSmemBytes = kBarrierOffset + kBarrierBytes + kAlignmentSlack;
+
+  static_assert(kHeadDim % 64 == 0, "rows are whole 128-byte column blocks");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256 && kBlockN >= 64, "wgmma N / TMA box rows");
+  static_assert(kHeadDim <= 256, "wgmma N of P V");
+  static_assert(kQBlockBytes % 1024 == 0 && kKVBlockBytes % 1024 == 0,
+                "every tile block starts on a swizzle atom");
+  static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory opt-in of sm_90");
+  static_assert(kStages >= 1, "at least one K/V stage");
+};
+
+template <int kHeadDim>
+struct PrefillTraits;
+template <>
+struct PrefillTraits<64> : PrefillShape<64, 128, 2, 2, true> {};
+template <>
+struct PrefillTraits<128> : PrefillShape<128, 128, 2, 2, true> {};
+template <>
+struct PrefillTraits<256> : PrefillShape<256, 64, 2, 2, false> {};
+
+// Named barriers (0 is __syncthreads): the consumers' epilogue barrier, the producer
+// warpgroup's own, and one per consumer warpgroup for the ping-pong schedule.
+inline constexpr uint32_t kEpilogueBarrier = 1;
+inline constexpr uint32_t kProducerBarrier = 2;
+inline constexpr uint32_t kSchedulerBarrierBase = 3;
+
+}  // namespace tessera::detail::sm90
