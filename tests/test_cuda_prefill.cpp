@@ -31,6 +31,7 @@
 #include "core/planner.hpp"
 #include "core/workspace_layout.hpp"
 #include "tessera/attention.hpp"
+#include "tessera/backend.hpp"
 #include "tessera/types.hpp"
 
 #if defined(TESSERA_HAVE_CUDA)
@@ -508,6 +509,66 @@ TEST(CudaPrefill, RejectsStridesThatAreNotMultiplesOf8) {
     EXPECT_EQ(error.kind(), Error::Kind::kUnsupported);
     EXPECT_NE(std::string(error.what()).find("stride"), std::string::npos) << error.what();
   }
+}
+
+// ---- checked mode: device-resident index arrays validated before any kernel runs ----
+
+// Restores index checking to what it was.
+class IndexCheckingScope {
+ public:
+  explicit IndexCheckingScope(bool on) : saved_(index_checking()) { set_index_checking(on); }
+  ~IndexCheckingScope() { set_index_checking(saved_); }
+  IndexCheckingScope(const IndexCheckingScope&) = delete;
+  IndexCheckingScope& operator=(const IndexCheckingScope&) = delete;
+
+ private:
+  bool saved_;
+};
+
+TEST(CudaPrefill, CheckedModeRejectsBadDeviceIndicesAndWritesNothing) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 10);
+  AttentionCase c = manual_case({5, 9}, {40, 70}, 4, 2, 128, DType::kBFloat16);
+  c.paged = true;
+  c.page_size = 16;
+  AttentionBuffers buffers = test::make_buffers(c, rng);
+  const Plan plan = public_plan(buffers);
+  const IndexCheckingScope checking(true);
+  const auto expect_rejected = [&](AttentionBuffers& bad, const std::string& argument,
+                                   const std::string& detail) {
+    DeviceCase device(bad);
+    try {
+      run_public(bad, device, plan);
+      ADD_FAILURE() << "a corrupt " << argument << " was accepted in checked mode";
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      EXPECT_NE(message.find(argument), std::string::npos) << message;
+      EXPECT_NE(message.find(detail), std::string::npos) << message;
+    }
+    // Nothing was written: the outputs keep their poison.
+    const Outputs out = device.download();
+    EXPECT_EQ(out.o, bad.o);
+    EXPECT_EQ(out.lse, bad.lse);
+  };
+  {
+    AttentionBuffers bad = buffers;
+    bad.page_indices[1] = static_cast<int32_t>(bad.num_pages) + 7;
+    expect_rejected(bad, "page_indices", "entry 1");
+  }
+  {
+    AttentionBuffers bad = buffers;
+    std::swap(bad.qo_indptr[1], bad.qo_indptr[2]);  // not monotone
+    expect_rejected(bad, "qo_indptr", "qo_indptr");
+  }
+  {
+    AttentionBuffers bad = buffers;
+    bad.last_page_len[0] = c.page_size + 1;
+    expect_rejected(bad, "last_page_len", "last_page_len");
+  }
+  // The intact arrays pass the checks and give the reference result.
+  const Outputs expected = run_reference(buffers);
+  DeviceCase device(buffers);
+  expect_close(buffers, run_public(buffers, device, plan), expected, "checked mode, valid input");
 }
 
 // ---- compute-sanitizer set: few, small, every code path ----

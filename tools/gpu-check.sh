@@ -10,7 +10,8 @@
 # TESSERA_SKIP_PYTHON=1, TESSERA_TEST_FILTER (gtest filter for the test binaries),
 # TESSERA_TESTS (space-separated binary names, default all), TESSERA_BENCH_ARGS,
 # TESSERA_TIMEOUT (seconds per binary, default 300).
-# Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log.
+# Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log,
+# ncu.log.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
@@ -78,15 +79,29 @@ if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
   cat "$out/bench.log"
   echo "--- the same prefill shapes on the portable sm80 kernels (TESSERA_PREFILL_KERNEL=sm80)" \
     >>"$out/bench.log"
-  # shellcheck disable=SC2086
   TESSERA_PREFILL_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter prefill \
-    ${TESSERA_BENCH_ARGS:-} >>"$out/bench.log" 2>&1 || status=1
+    >>"$out/bench.log" 2>&1 || status=1
+  echo "--- decode on the sm80 decode kernels (TESSERA_DECODE_KERNEL=sm80)" >>"$out/bench.log"
+  TESSERA_DECODE_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter decode \
+    >>"$out/bench.log" 2>&1 || status=1
   PYTHONUNBUFFERED=1 timeout 900 python3 "$root/bench/compare.py" "$out/bench.json" \
     --out "$out/compare.json" --png "$out/compare.png" >"$out/compare.log" 2>&1 || status=1
   cat "$out/compare.log"
 fi
 
-# 5. The Python package's tests (torch, torch.compile, CUDA graphs, transformers) against the
+# 5. Optional: one launch of a bench case under Nsight Compute (TESSERA_NCU = a bench filter,
+#    TESSERA_NCU_KERNEL = a kernel-name regex, default prefill_kernel).
+if [ -n "${TESSERA_NCU:-}" ]; then
+  timeout 600 ncu --clock-control none --kernel-name "regex:${TESSERA_NCU_KERNEL:-prefill_kernel}" \
+    --launch-skip 3 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats \
+    --section MemoryWorkloadAnalysis --section Occupancy \
+    "$build/tessera" bench --quiet --filter "$TESSERA_NCU" >"$out/ncu.log" 2>&1 || status=1
+  grep -E "Duration|Throughput|Pipe|Issued|Stall|Warp Cycles|Eligible|Registers|Achieved" \
+    "$out/ncu.log" | head -60
+fi
+
+# 6. The Python package's tests (torch, torch.compile, CUDA graphs, transformers) against the
 #    library of this build.
 if [ "${TESSERA_SKIP_PYTHON:-0}" != 1 ]; then
   TESSERA_LIBRARY="$(cd "$build" && pwd)/libtessera.so" PYTHONPATH="$root/python" \

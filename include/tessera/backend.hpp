@@ -17,6 +17,16 @@ CpuImpl cpu_impl();
 void set_num_threads(int threads);
 int num_threads();
 
+// Checked mode for device-resident index arrays. Index arrays on the GPU (qo/kv/page indptr,
+// page_indices, last_page_len) are normally trusted by run_*: they are on the device and reading
+// them would synchronise. With checking on, run_* first copies them to the host (synchronising
+// the stream), applies every check the CPU path applies (monotone indptr, lengths equal to the
+// plan's, page ids in [0, num_pages), last_page_len in [1, page_size]) and throws naming the
+// first bad entry before any kernel is launched. Off by default; TESSERA_CHECK=1 in the
+// environment turns it on at start-up. Not for CUDA-graph capture (it synchronises).
+void set_index_checking(bool on);
+bool index_checking();
+
 // True when this build has the CUDA backend and a CUDA device is visible.
 bool cuda_available();
 int cuda_device_count();

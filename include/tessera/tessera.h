@@ -248,6 +248,13 @@ TESSERA_API tessera_status tessera_merge_states(const DLTensor* states, const DL
 /* Threads of the CPU backend: >= 1 pins the count, 0 restores the default
  * (TESSERA_NUM_THREADS or the hardware count). */
 TESSERA_API tessera_status tessera_set_num_threads(int threads);
+
+/* Checked mode (process-wide): with enable != 0, run calls copy device-resident index arrays
+   (indptr, page_indices, last_page_len) to the host, synchronising the stream, and validate
+   them like host arrays before any kernel runs; a bad entry returns
+   TESSERA_ERROR_INVALID_ARGUMENT naming it. Off by default (TESSERA_CHECK=1 turns it on). */
+TESSERA_API tessera_status tessera_set_index_checking(int enable);
+TESSERA_API int tessera_index_checking(void);
 /* Non-zero: serve CPU attention with the double-accumulating reference (tests); 0: the fast
  * tiled path (the default). */
 TESSERA_API tessera_status tessera_set_cpu_reference(int enable);

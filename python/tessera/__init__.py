@@ -104,6 +104,19 @@ def set_num_threads(threads: int) -> None:
     _check(_lib().tessera_set_num_threads(int(threads)), {"threads": "threads"})
 
 
+def set_index_checking(enable: bool = True) -> None:
+    """Checked mode (process-wide): run() copies device-resident index arrays (indptr,
+    page_indices, last_page_len) to the host and validates them before any kernel runs, raising
+    ValueError that names the first bad entry. Synchronises the stream, so keep it off in
+    production and during CUDA-graph capture; ``TESSERA_CHECK=1`` turns it on at start-up."""
+    _check(_lib().tessera_set_index_checking(1 if enable else 0))
+
+
+def index_checking() -> bool:
+    """Whether checked mode is on."""
+    return bool(_lib().tessera_index_checking())
+
+
 def use_cpu_reference(enable: bool = True) -> None:
     """Serve CPU attention with the double-accumulating reference (tests) instead of the fast
     tiled path (process-wide)."""
@@ -116,6 +129,8 @@ __all__ = [
     "library_version",
     "cuda_device_count",
     "set_num_threads",
+    "set_index_checking",
+    "index_checking",
     "use_cpu_reference",
     "UnsupportedError",
     "OutOfMemoryError",

@@ -275,6 +275,8 @@ _PROTOTYPES: Dict[str, tuple] = {
     ),
     "tessera_set_num_threads": (_STATUS, [ctypes.c_int]),
     "tessera_set_cpu_reference": (_STATUS, [ctypes.c_int]),
+    "tessera_set_index_checking": (_STATUS, [ctypes.c_int]),
+    "tessera_index_checking": (ctypes.c_int, []),
 }
 
 

@@ -605,6 +605,13 @@ tessera_status tessera_set_num_threads(int threads) {
   return guarded("tessera_set_num_threads", [&] { tessera::set_num_threads(threads); });
 }
 
+tessera_status tessera_set_index_checking(int enable) {
+  return guarded("tessera_set_index_checking",
+                 [&] { tessera::set_index_checking(enable != 0); });
+}
+
+int tessera_index_checking(void) { return tessera::index_checking() ? 1 : 0; }
+
 tessera_status tessera_set_cpu_reference(int enable) {
   return guarded("tessera_set_cpu_reference", [&] {
     tessera::set_cpu_impl(enable != 0 ? tessera::CpuImpl::kReference : tessera::CpuImpl::kFast);

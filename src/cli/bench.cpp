@@ -70,12 +70,12 @@ void build_problem(BenchProblem& p, uint64_t seed) {
   p.kv_indptr.assign(1, 0);
   p.page_indptr.assign(1, 0);
   for (int b = 0; b < c.batch; ++b) {
-    p.qo_indptr.push_back(p.qo_indptr.back() + c.q_len);
-    p.kv_indptr.push_back(p.kv_indptr.back() + c.kv_len);
+    p.qo_indptr.push_back(p.qo_indptr.back() + c.q_len_of(b));
+    p.kv_indptr.push_back(p.kv_indptr.back() + c.kv_len_of(b));
     if (p.is_paged()) {
-      const int pages = (c.kv_len + c.page_size - 1) / c.page_size;
+      const int pages = (c.kv_len_of(b) + c.page_size - 1) / c.page_size;
       p.page_indptr.push_back(p.page_indptr.back() + pages);
-      p.last_page_len.push_back(c.kv_len - (pages - 1) * c.page_size);
+      p.last_page_len.push_back(c.kv_len_of(b) - (pages - 1) * c.page_size);
     }
   }
   p.total_q = p.qo_indptr.back();
@@ -142,6 +142,12 @@ void build_problem(BenchProblem& p, uint64_t seed) {
 
 void run_once(BenchProblem& p) {
   const Workspace workspace{p.workspace.data(), p.workspace.bytes()};
+  // Checked cases time the index validation with the call (restored afterwards).
+  struct CheckingScope {
+    bool saved = index_checking();
+    explicit CheckingScope(bool on) { set_index_checking(on || saved); }
+    ~CheckingScope() { set_index_checking(saved); }
+  } checking(p.spec.checked);
   switch (p.spec.op) {
     case AttentionOp::kRaggedPrefill:
       run_ragged_prefill(p.plan, p.q_view, p.k_view, p.v_view, p.qo_view, p.kv_view, p.o_view,
@@ -167,9 +173,10 @@ double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* na
   const int64_t q_row = static_cast<int64_t>(c.num_qo_heads) * c.head_dim;
   const int64_t kv_row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
   const int64_t q_begin = p.qo_indptr[b];
-  std::vector<uint8_t> q(c.q_len * q_row * elem), o(c.q_len * q_row * elem);
-  std::vector<float> lse(static_cast<size_t>(c.q_len) * c.num_qo_heads);
-  std::vector<uint8_t> k(static_cast<size_t>(c.kv_len) * kv_row * elem), v(k.size());
+  const int q_len = c.q_len_of(b), kv_len = c.kv_len_of(b);
+  std::vector<uint8_t> q(q_len * q_row * elem), o(q_len * q_row * elem);
+  std::vector<float> lse(static_cast<size_t>(q_len) * c.num_qo_heads);
+  std::vector<uint8_t> k(static_cast<size_t>(kv_len) * kv_row * elem), v(k.size());
   p.q.copy_to_host(q.data(), q.size(), q_begin * q_row * elem);
   p.o.copy_to_host(o.data(), o.size(), q_begin * q_row * elem);
   p.lse.copy_to_host(lse.data(), lse.size() * sizeof(float),
@@ -187,10 +194,10 @@ double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* na
     p.k.copy_to_host(k.data(), k.size(), p.kv_indptr[b] * kv_row * elem);
     p.v.copy_to_host(v.data(), v.size(), p.kv_indptr[b] * kv_row * elem);
   }
-  for (int64_t i = 0; i < c.q_len * q_row; ++i) {
+  for (int64_t i = 0; i < q_len * q_row; ++i) {
     *nan_count += std::isnan(detail::load_as_float(o.data(), p.dtype, i));
   }
-  const int32_t qo_indptr[2] = {0, c.q_len}, kv_indptr[2] = {0, c.kv_len};
+  const int32_t qo_indptr[2] = {0, q_len}, kv_indptr[2] = {0, kv_len};
   detail::AttentionProblem host;
   host.q_dtype = p.dtype;
   host.batch_size = 1;
@@ -211,9 +218,9 @@ double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* na
   host.mask.causal = c.causal;
 
   std::vector<detail::ReferenceRow> rows;
-  std::uniform_int_distribution<int> token_dist(0, c.q_len - 1), head_dist(0, c.num_qo_heads - 1);
+  std::uniform_int_distribution<int> token_dist(0, q_len - 1), head_dist(0, c.num_qo_heads - 1);
   for (int t = 0; t < kSampledTokens; ++t) {
-    const int token = t == 0 ? 0 : t == 1 ? c.q_len - 1 : token_dist(rng);
+    const int token = t == 0 ? 0 : t == 1 ? q_len - 1 : token_dist(rng);
     for (int h = 0; h < kSampledHeads; ++h) {
       const int head = h == 0 ? 0 : h == 1 ? c.num_qo_heads - 1 : head_dist(rng);
       rows.push_back({0, token, head});
@@ -244,16 +251,25 @@ double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* na
   return worst;
 }
 
-double visible_pairs(const BenchCase& c) {
+double visible_pairs_of(const BenchCase& c, int q_len, int kv_len) {
   detail::MaskSpec mask;
   mask.causal = c.causal;
   double pairs = 0;
-  for (int i = 0; i < c.q_len; ++i) {
+  for (int i = 0; i < q_len; ++i) {
     int32_t first, last;
-    mask.visible_range(i, c.q_len, c.kv_len, &first, &last);
+    mask.visible_range(i, q_len, kv_len, &first, &last);
     pairs += last - first;
   }
-  return pairs * c.batch;
+  return pairs;
+}
+
+double visible_pairs(const BenchCase& c) {
+  double pairs = visible_pairs_of(c, c.q_len, c.kv_len) * (c.batch - 1);
+  return pairs + visible_pairs_of(c, c.q_len_of(0), c.kv_len_of(0));
+}
+
+double total_keys(const BenchCase& c) {
+  return static_cast<double>(c.kv_len) * (c.batch - 1) + c.kv_len_of(0);
 }
 
 // ---- timing ----
@@ -374,6 +390,25 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
     for (auto [batch, len] : decode_shapes) {
       cases.push_back(gqa_case(AttentionOp::kDecode, batch, 1, len, false, 16));
     }
+    if (!quick) {
+      // Skewed batches (issue 5): one long request beside many short ones.
+      BenchCase skewed = gqa_case(AttentionOp::kDecode, 256, 1, 512, false, 16);
+      skewed.first_kv_len = 32768;
+      skewed.name = "decode gqa32/8 d128 p16 skewed 1x32k+255x512";
+      cases.push_back(skewed);
+      BenchCase skewed_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 256, 256, true, 0);
+      skewed_prefill.first_q_len = skewed_prefill.first_kv_len = 16384;
+      skewed_prefill.name = "prefill gqa32/8 d128 causal skewed 1x16k+63x256";
+      cases.push_back(skewed_prefill);
+      BenchCase uniform_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 2048, 2048, true, 0);
+      uniform_prefill.name = "prefill gqa32/8 d128 causal uniform 64x2048";  // ~ equal work
+      cases.push_back(uniform_prefill);
+      // Checked mode (issue 7): the same decode with index validation on.
+      BenchCase checked = gqa_case(AttentionOp::kDecode, 64, 1, 4096, false, 16);
+      checked.checked = true;
+      checked.name += " (checked)";
+      cases.push_back(checked);
+    }
     return cases;
   }
   // CPU: the foundation's target shape first (D=128, S=2048, 8 heads), then the rest scaled to
@@ -453,8 +488,7 @@ int run_bench(const BenchOptions& options) {
       const double seconds = result.milliseconds * 1e-3;
       const double elem = static_cast<double>(dtype_size(options.dtype));
       result.flops = 4.0 * visible_pairs(c) * c.head_dim * c.num_qo_heads;
-      result.bytes = 2.0 * c.batch * static_cast<double>(c.kv_len) * c.num_kv_heads *
-                     c.head_dim * elem;
+      result.bytes = 2.0 * total_keys(c) * c.num_kv_heads * c.head_dim * elem;
       if (c.op == AttentionOp::kDecode) {
         result.rate = result.bytes / seconds / 1e12;
         if (peak_memory > 0) result.percent_of_peak = 100.0 * result.rate / peak_memory;
@@ -497,6 +531,8 @@ int run_bench(const BenchOptions& options) {
            << ", \"kv_len\": " << c.kv_len << ", \"num_qo_heads\": " << c.num_qo_heads
            << ", \"num_kv_heads\": " << c.num_kv_heads << ", \"head_dim\": " << c.head_dim
            << ", \"page_size\": " << c.page_size << ", \"causal\": " << (c.causal ? 1 : 0)
+           << ", \"first_q_len\": " << c.q_len_of(0) << ", \"first_kv_len\": " << c.kv_len_of(0)
+           << ", \"checked\": " << (c.checked ? 1 : 0)
            << ", \"ms\": " << r.milliseconds << ", \"tflops\": " << r.flops / 1e12
            << ", \"bytes\": " << r.bytes << ", \"rate\": " << r.rate
            << ", \"percent_of_peak\": " << r.percent_of_peak

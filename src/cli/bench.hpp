@@ -22,6 +22,14 @@ struct BenchCase {
   int head_dim = 0;
   int page_size = 0;  // paged ops
   bool causal = false;
+  // Skewed batches: request 0 has these lengths instead (0: the same as the others).
+  int first_q_len = 0;
+  int first_kv_len = 0;
+  // Runs with index checking on (set_index_checking): the cost of checked mode.
+  bool checked = false;
+
+  int q_len_of(int b) const { return b == 0 && first_q_len > 0 ? first_q_len : q_len; }
+  int kv_len_of(int b) const { return b == 0 && first_kv_len > 0 ? first_kv_len : kv_len; }
 };
 
 struct BenchOptions {

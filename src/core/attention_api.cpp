@@ -8,6 +8,7 @@
 #include "core/planner.hpp"
 #include "core/validate.hpp"
 #include "tessera/attention.hpp"
+#include "tessera/backend.hpp"
 
 namespace tessera {
 namespace {
@@ -203,9 +204,31 @@ int64_t total_of(const std::vector<int32_t>& lengths) {
   return std::accumulate(lengths.begin(), lengths.end(), int64_t{0});
 }
 
+// The values of an int32 index array on the host, when run_* checks them: a CPU tensor's own
+// memory, or for a device tensor in checked mode (index_checking()) a synchronous copy. Empty
+// (`checked` false) for device tensors otherwise: the kernels trust them.
+struct HostIndices {
+  std::vector<int32_t> copy;
+  const int32_t* data = nullptr;
+  bool checked = false;
+};
+
+HostIndices host_indices(const TensorView& view, const Plan& plan, void* stream) {
+  HostIndices host;
+  if (plan.device.type == DeviceType::kCPU) {
+    host.data = view.ptr<const int32_t>();
+    host.checked = true;
+  } else if (index_checking()) {
+    host.copy = detail::read_int32_array(view, stream);
+    host.data = host.copy.data();
+    host.checked = true;
+  }
+  return host;
+}
+
 // Validates a paged cache against the plan and fills the KV source.
 KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCache& kv,
-                      const TensorView& q) {
+                      const TensorView& q, void* stream) {
   const bool nhd = kv.layout == KVLayout::kNHD;
   check.require(kv.layout == KVLayout::kNHD || kv.layout == KVLayout::kHND, "kv.layout",
                 "expected NHD (0) or HND (1)");
@@ -231,16 +254,18 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
                 "expected at least " + std::to_string(planned_pages) +
                     " entries (the pages of the plan's requests), got " +
                     std::to_string(kv.page_indices.shape[0]));
-  if (plan.device.type == DeviceType::kCPU) {
-    const std::span<const int32_t> indptr(kv.page_indptr.ptr<const int32_t>(),
-                                          plan.batch_size + 1);
-    const std::span<const int32_t> last(kv.last_page_len.ptr<const int32_t>(), plan.batch_size);
+  const HostIndices host_indptr = host_indices(kv.page_indptr, plan, stream);
+  if (host_indptr.checked) {
+    const HostIndices host_last = host_indices(kv.last_page_len, plan, stream);
+    const std::span<const int32_t> indptr(host_indptr.data, plan.batch_size + 1);
+    const std::span<const int32_t> last(host_last.data, plan.batch_size);
     const std::vector<int32_t> kv_lens = paged_kv_lens(check, indptr, last, plan.page_size);
     check_lengths_match(check, "page_indptr", kv_lens, plan.kv_lens, "kv_len");
     check.require(indptr.back() <= kv.page_indices.shape[0], "page_indices",
                   "page_indptr[batch_size] = " + std::to_string(indptr.back()) +
                       " exceeds its " + std::to_string(kv.page_indices.shape[0]) + " entries");
-    const int32_t* indices = kv.page_indices.ptr<const int32_t>();
+    const HostIndices host_pages = host_indices(kv.page_indices, plan, stream);
+    const int32_t* indices = host_pages.data;
     for (int32_t i = 0; i < indptr.back(); ++i) {
       if (indices[i] < 0 || indices[i] >= num_pages) {
         check.fail("page_indices", "entry " + std::to_string(i) + " = " +
@@ -253,10 +278,12 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
   return detail::paged_kv_source(kv);
 }
 
-void check_qo_indptr(const ArgChecker& check, const Plan& plan, const TensorView& qo_indptr) {
+void check_qo_indptr(const ArgChecker& check, const Plan& plan, const TensorView& qo_indptr,
+                     void* stream) {
   check.index_array(qo_indptr, "qo_indptr", plan.batch_size + 1, plan.device);
-  if (plan.device.type == DeviceType::kCPU) {
-    const std::span<const int32_t> values(qo_indptr.ptr<const int32_t>(), plan.batch_size + 1);
+  const HostIndices host = host_indices(qo_indptr, plan, stream);
+  if (host.checked) {
+    const std::span<const int32_t> values(host.data, plan.batch_size + 1);
     check.indptr(values, "qo_indptr");
     check_lengths_match(check, "qo_indptr", diffs(values), plan.q_lens, "q_len");
   }
@@ -357,10 +384,11 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
                       " rows (the plan's kv tokens), got " + std::to_string(view.shape[0]));
   }
   check_kv_dtype(check, k, v, q, "k", "v");
-  check_qo_indptr(check, plan, qo_indptr);
+  check_qo_indptr(check, plan, qo_indptr, stream);
   check.index_array(kv_indptr, "kv_indptr", plan.batch_size + 1, plan.device);
-  if (plan.device.type == DeviceType::kCPU) {
-    const std::span<const int32_t> values(kv_indptr.ptr<const int32_t>(), plan.batch_size + 1);
+  const HostIndices host_kv_indptr = host_indices(kv_indptr, plan, stream);
+  if (host_kv_indptr.checked) {
+    const std::span<const int32_t> values(host_kv_indptr.data, plan.batch_size + 1);
     check.indptr(values, "kv_indptr");
     check_lengths_match(check, "kv_indptr", diffs(values), plan.kv_lens, "kv_len");
     check.require(values.back() <= k.shape[0], "kv_indptr",
@@ -391,8 +419,8 @@ void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache
   const ArgChecker check("run_paged_prefill");
   check_plan_op(check, plan, AttentionOp::kPagedPrefill);
   check_q_o_lse(check, plan, q, o, lse);
-  KVSource source = paged_source(check, plan, kv, q);
-  check_qo_indptr(check, plan, qo_indptr);
+  KVSource source = paged_source(check, plan, kv, q, stream);
+  check_qo_indptr(check, plan, qo_indptr, stream);
   check_workspace(check, plan, workspace);
   AttentionProblem problem = base_problem(plan, q, o, lse);
   problem.qo_indptr = qo_indptr.ptr<const int32_t>();
@@ -405,7 +433,7 @@ void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
   const ArgChecker check("run_decode");
   check_plan_op(check, plan, AttentionOp::kDecode);
   check_q_o_lse(check, plan, q, o, lse);
-  KVSource source = paged_source(check, plan, kv, q);
+  KVSource source = paged_source(check, plan, kv, q, stream);
   check_workspace(check, plan, workspace);
   AttentionProblem problem = base_problem(plan, q, o, lse);
   problem.qo_indptr = nullptr;

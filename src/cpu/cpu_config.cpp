@@ -13,6 +13,10 @@ namespace {
 // 0 means "not set by set_num_threads": the default below applies.
 std::atomic<int> g_num_threads{0};
 std::atomic<CpuImpl> g_cpu_impl{CpuImpl::kFast};
+std::atomic<bool> g_index_checking{[] {
+  const char* env = std::getenv("TESSERA_CHECK");
+  return env != nullptr && std::string(env) == "1";
+}()};
 
 // TESSERA_NUM_THREADS wins over the CPU count (the process's affinity mask) so a deployment can
 // leave cores to the serving framework; an unparsable or non-positive value is ignored.
@@ -31,6 +35,9 @@ int default_num_threads() {
 }
 
 }  // namespace
+
+void set_index_checking(bool on) { g_index_checking.store(on, std::memory_order_relaxed); }
+bool index_checking() { return g_index_checking.load(std::memory_order_relaxed); }
 
 void set_cpu_impl(CpuImpl impl) {
   if (impl != CpuImpl::kFast && impl != CpuImpl::kReference) {

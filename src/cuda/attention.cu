@@ -246,6 +246,27 @@ void check_prefill_arguments(const Plan& plan, const AttentionProblem& problem,
                        {problem.kv.v_stride_page, paged}});
 }
 
+// Whether the sm90 kernels run this decode: the shape and dtypes they serve, and the 16-byte
+// rows their loads need (the sm80 decode kernels take any alignment).
+bool sm90_decode(const AttentionProblem& problem, const CudaDeviceInfo& info) {
+  if (!sm90::serves_decode(info.sm_major, problem.head_dim, problem.num_qo_heads,
+                           problem.num_kv_heads, problem.q_dtype, problem.kv.dtype)) {
+    return false;
+  }
+  const auto aligned = [](const void* data, std::initializer_list<int64_t> strides) {
+    if (reinterpret_cast<uintptr_t>(data) % kVectorBytes != 0) return false;
+    for (const int64_t stride : strides) {
+      if (stride % kVectorElements != 0) return false;
+    }
+    return true;
+  };
+  const KVSource& kv = problem.kv;
+  return kv.paged && aligned(problem.q, {problem.q_stride_token, problem.q_stride_head}) &&
+         aligned(problem.o, {problem.o_stride_token, problem.o_stride_head}) &&
+         aligned(kv.k, {kv.k_stride_token, kv.k_stride_head, kv.k_stride_page}) &&
+         aligned(kv.v, {kv.v_stride_token, kv.v_stride_head, kv.v_stride_page});
+}
+
 // header_uploaded: see cuda_decode_attention.
 void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned char* workspace,
                  const WorkspaceLayout& layout, const CudaDeviceInfo& info, cudaStream_t stream,
@@ -375,7 +396,7 @@ void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Works
     upload_list(plan.work, base, layout.work, cuda_stream);
   }
 
-  if (plan.op == AttentionOp::kDecode) {
+  if (plan.op == AttentionOp::kDecode && !sm90_decode(problem, info)) {
     cuda_decode_attention(plan, problem, workspace, stream, uploaded);
     return;
   }

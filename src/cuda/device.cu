@@ -67,7 +67,9 @@ const CudaDeviceInfo& cuda_device_info(int device) {
 PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int head_dim,
                             DType kv_dtype_hint, int device) {
   const CudaDeviceInfo& info = cuda_device_info(device);
-  if (op == AttentionOp::kDecode) {
+  const DType hint = kv_dtype_hint == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
+  if (op == AttentionOp::kDecode &&
+      !sm90::serves_decode(info.sm_major, head_dim, num_qo_heads, num_kv_heads, hint, hint)) {
     return cuda_decode_plan_config(num_qo_heads, num_kv_heads, head_dim, info);
   }
   const int bucket = sm80::prefill_head_dim_bucket(head_dim);
@@ -76,7 +78,6 @@ PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, 
                 "head_dim " + std::to_string(head_dim) +
                     " is not supported by the CUDA prefill kernels (a multiple of 8 up to 256)");
   }
-  const DType hint = kv_dtype_hint == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
   if (sm90::prefill_unsupported_reason(info.sm_major, head_dim, num_qo_heads, num_kv_heads, hint,
                                        hint)
           .empty()) {
@@ -121,6 +122,12 @@ std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_h
                                   int head_dim, int device) {
   const CudaDeviceInfo& info = cuda_device_info(device);
   if (op == AttentionOp::kDecode) {
+    if (sm90::serves_decode(info.sm_major, head_dim, num_qo_heads, num_kv_heads,
+                            DType::kBFloat16, DType::kBFloat16)) {
+      return "sm90 decode (the sm90 prefill kernels: GQA-packed rows on wgmma, K/V pages by "
+             "TMA, one CTA per SM); fp8 K/V caches and unaligned views run the sm80 decode "
+             "kernels";
+    }
     return "CUDA decode kernels (sm80 family: mma.sync over the GQA group, CUDA cores for fp8 "
            "K/V)";
   }

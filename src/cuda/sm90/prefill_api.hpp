@@ -68,4 +68,11 @@ inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool 
 std::string prefill_unsupported_reason(int sm_major, int head_dim, int num_qo_heads,
                                        int num_kv_heads, DType q_dtype, DType kv_dtype);
 
+// Decode on sm_90: the sm90 prefill kernels can also serve batch decode (GQA-packed rows as the
+// wgmma M dimension, K/V pages through TMA) when TESSERA_DECODE_KERNEL=sm90, the shape is one
+// prefill_unsupported_reason accepts and K/V have q's dtype. By default decode runs the sm80
+// decode kernels (faster on paged caches today, see docs/PERF.md).
+bool serves_decode(int sm_major, int head_dim, int num_qo_heads, int num_kv_heads, DType q_dtype,
+                   DType kv_dtype);
+
 }  // namespace tessera::detail::sm90

@@ -45,6 +45,29 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   }
 }
 
+// In-place pairwise reduction of a register array (kCount a power of two). Recursion on the
+// size keeps every index a compile-time constant (a halving loop is not unrolled by nvcc, which
+// then moves the array to local memory).
+template <int kCount, class Op>
+__device__ __forceinline__ float tree_reduce(float (&values)[kCount], Op op) {
+  static_assert((kCount & (kCount - 1)) == 0, "a power of two");
+  if constexpr (kCount == 1) {
+    return values[0];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCount / 2; ++i) values[i] = op(values[i], values[i + kCount / 2]);
+    return tree_reduce(reinterpret_cast<float(&)[kCount / 2]>(values), op);
+  }
+}
+template <int kCount>
+__device__ __forceinline__ float tree_reduce_max(float (&values)[kCount]) {
+  return tree_reduce(values, [](float a, float b) { return fmaxf(a, b); });
+}
+template <int kCount>
+__device__ __forceinline__ float tree_reduce_sum(float (&values)[kCount]) {
+  return tree_reduce(values, [](float a, float b) { return a + b; });
+}
+
 template <class Traits, DType kDType, bool kSoftCap>
 class PrefillConsumer {
   static constexpr int kScoreRegs = Traits::kScoreRegisters;
@@ -80,6 +103,10 @@ class PrefillConsumer {
   __device__ void run() {
     // Ping-pong: warpgroup 0 holds the first turn.
     if (warpgroup_ == 0) ptx::named_barrier_arrive(scheduler_barrier(0), kSchedulerThreads);
+    // Each warpgroup derives the tiles from the work list itself, exactly as the producer does.
+    // (A shared tile ring fed by the producer was tried: correct under the PTX memory model, its
+    // mbarrier hand-off of plain shared-memory stores is reported as a race by
+    // compute-sanitizer racecheck, and it bought no measurable time; docs/PERF.md.)
     const int32_t worker = blockIdx.x;
     const int32_t work_begin = params_.args.worker_indptr[worker];
     const int32_t work_end = params_.args.worker_indptr[worker + 1];
@@ -88,28 +115,9 @@ class PrefillConsumer {
     for (int32_t w = work_begin; w < work_end; ++w) {
       const WorkItem item = params_.args.work[w];
       for (int32_t offset = 0; offset < item.q_len; offset += params_.tokens_per_tile) {
-        const PrefillTile tile =
-            make_prefill_tile<Traits::kBlockN>(problem_, item, offset, params_.tokens_per_tile);
-        const Rows rows = make_rows(tile);
-        float o[kOutputRegs];
-#pragma unroll
-        for (int i = 0; i < kOutputRegs; ++i) o[i] = 0.0f;
-        Softmax softmax{{-INFINITY, -INFINITY}, {0.0f, 0.0f}, {0.0f, 0.0f}};
-        if (tile.num_key_tiles == 0) {
-          store_direct(tile, rows, o, softmax);  // o = 0, lse = -inf; no Q, no K/V, no barrier
-          continue;
-        }
-        attend(tile, rows, ring, q_count, o, softmax);
-        if (tile.partial_row >= 0) {
-          store_direct(tile, rows, o, softmax);
-        } else {
-          store_staged(tile, rows, o, softmax);
-        }
-        if constexpr (!Traits::kSeparateOutputSmem) {
-          // The output was staged in Q's buffer: hand it back only now.
-          ptx::fence_proxy_async_shared();
-          release(smem_.q_empty());
-        }
+        consume_tile(
+            make_prefill_tile<Traits::kBlockN>(problem_, item, offset, params_.tokens_per_tile),
+            ring, q_count);
       }
     }
     // The last warpgroup's final hand-over is addressed to warpgroup 0: consume it, so no named
@@ -119,6 +127,30 @@ class PrefillConsumer {
   }
 
  private:
+  // One CTA tile: main loop and epilogue (or o = 0 for a tile without keys).
+  __device__ void consume_tile(const PrefillTile& tile, RingState& ring, int32_t& q_count) {
+    const Rows rows = make_rows(tile);
+    float o[kOutputRegs];
+#pragma unroll
+    for (int i = 0; i < kOutputRegs; ++i) o[i] = 0.0f;
+    Softmax softmax{{-INFINITY, -INFINITY}, {0.0f, 0.0f}, {0.0f, 0.0f}};
+    if (tile.num_key_tiles == 0) {
+      store_direct(tile, rows, o, softmax);  // o = 0, lse = -inf; no Q, no K/V, no barrier
+      return;
+    }
+    attend(tile, rows, ring, q_count, o, softmax);
+    if (tile.partial_row >= 0) {
+      store_direct(tile, rows, o, softmax);
+    } else {
+      store_staged(tile, rows, o, softmax);
+    }
+    if constexpr (!Traits::kSeparateOutputSmem) {
+      // The output was staged in Q's buffer: hand it back only now.
+      ptx::fence_proxy_async_shared();
+      release(smem_.q_empty());
+    }
+  }
+
   __device__ __forceinline__ static uint32_t scheduler_barrier(int warpgroup) {
     return kSchedulerBarrierBase + static_cast<uint32_t>(warpgroup);
   }
@@ -129,13 +161,17 @@ class PrefillConsumer {
   }
   __device__ __forceinline__ void scheduler_pass() const {
     if constexpr (Traits::kConsumerWarpgroups > 1) {
-      ptx::named_barrier_arrive(
-          scheduler_barrier((warpgroup_ + 1) % Traits::kConsumerWarpgroups), kSchedulerThreads);
+      ptx::named_barrier_arrive(scheduler_barrier((warpgroup_ + 1) % Traits::kConsumerWarpgroups),
+                                kSchedulerThreads);
     }
   }
-  // One arrival per consumer warp (empty barriers count kConsumerWarps). wgmma.wait_group is
-  // warp-synchronous, so lane 0 arriving after it speaks for the whole warp.
+  // One arrival per consumer warp (empty barriers count kConsumerWarps). __syncwarp orders
+  // every lane's reads of the buffer (the tile ring's plain loads; wgmma reads are complete at
+  // the warp-synchronous wait_group) before lane 0's arrival releases it; without it
+  // compute-sanitizer racecheck reports the producer's next write to a tile-ring slot racing
+  // with the other lanes' reads.
   __device__ __forceinline__ void release(uint32_t barrier) const {
+    __syncwarp();
     if (lane_ == 0) ptx::mbarrier_arrive(barrier);
   }
 
@@ -195,8 +231,8 @@ class PrefillConsumer {
     ptx::wgmma_fence();
 #pragma unroll
     for (int step = 0; step < kKeySteps; ++step) {
-      const uint64_t b = ptx::wgmma_descriptor_advance(
-          b0, static_cast<uint32_t>(step * 16 * Traits::kRowBytes));
+      const uint64_t b =
+          ptx::wgmma_descriptor_advance(b0, static_cast<uint32_t>(step * 16 * Traits::kRowBytes));
       ptx::Wgmma<Traits::kHeadDim, kDType>::rs_b_mn_major(o, p[step], b, 1);
     }
     ptx::wgmma_commit_group();
@@ -230,37 +266,58 @@ class PrefillConsumer {
       }
     }
     const float scale = params_.args.score_scale_log2;
+    float base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float new_max = softmax.row_max[h];
+      // Pairwise trees (log2 depth instead of a kScoreRegs / 2 long dependent chain: a
+      // warpgroup's softmax is latency-bound while the other warpgroup's GEMMs run).
+      float partial[kScoreRegs / 4];
 #pragma unroll
       for (int j = 0; j < kScoreRegs / 4; ++j) {
-        new_max = fmaxf(new_max, fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]));
+        partial[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
       }
-      new_max = ptx::quad_max(new_max);
-      // As in the sm80 kernel: a row with only masked keys so far keeps max = -inf and uses 0
-      // as the exponent base (exact zeros, no -inf - -inf), and the exponent is s * scale - base
-      // with the product rounded on its own, so the row maximum gives exactly 2^0.
-      const float base = new_max == -INFINITY ? 0.0f : __fmul_rn(new_max, scale);
-      const float correction = ptx::ex2_approx(__fmul_rn(softmax.row_max[h], scale) - base);
+      const float new_max = ptx::quad_max(fmaxf(softmax.row_max[h], tree_reduce_max(partial)));
+      // A row with only masked keys so far keeps max = -inf and uses 0 as the exponent base
+      // (exact zeros, no -inf - -inf). base = max * scale rounded; every probability of the row,
+      // the correction of its running sum and its lse use that same rounded base, so its
+      // rounding error r shifts every exponent alike and cancels - as long as 2^r stays near 1.
+      base[h] = new_max == -INFINITY ? 0.0f : __fmul_rn(new_max, scale);
+      softmax.correction[h] = ptx::ex2_approx(__fmul_rn(softmax.row_max[h], scale) - base[h]);
       softmax.row_max[h] = new_max;
-      softmax.correction[h] = correction;
-      float sum = 0.0f;
+    }
+    // One FFMA per score then suffices (FlashAttention's form). Beyond |base| = 2^20 (logits
+    // near fp16's range: r can reach hundreds and 2^r underflows the row) the product is rounded
+    // on its own first, so the row maximum gives exactly 2^0 (the sm80 kernel's form). The
+    // choice is made per warp, so both rows' exponentials stay in one basic block.
+    if (__all_sync(0xffffffffu, fabsf(base[0]) < 1048576.0f && fabsf(base[1]) < 1048576.0f)) {
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) {
+        s[i] = ptx::ex2_approx(fmaf(s[i], scale, -base[(i / 2) % 2]));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) {
+        s[i] = ptx::ex2_approx(__fmul_rn(s[i], scale) - base[(i / 2) % 2]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float partial[kScoreRegs / 4];
 #pragma unroll
       for (int j = 0; j < kScoreRegs / 4; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& value = s[4 * j + 2 * h + e];
-          value = ptx::ex2_approx(__fmul_rn(value, scale) - base);
-          sum += value;
-        }
+        partial[j] = s[4 * j + 2 * h] + s[4 * j + 2 * h + 1];
       }
-      softmax.row_sum[h] = softmax.row_sum[h] * correction + sum;
+      softmax.row_sum[h] = softmax.row_sum[h] * softmax.correction[h] + tree_reduce_sum(partial);
     }
   }
 
   __device__ __forceinline__ void rescale_output(float (&o)[kOutputRegs],
                                                  const Softmax& softmax) const {
+    // Once a row's maximum settles (most key tiles of a long row), its correction is exactly
+    // 2^0 = 1: a warp whose 16 rows all kept their maximum skips the multiplications.
+    if (__all_sync(0xffffffffu, softmax.correction[0] == 1.0f && softmax.correction[1] == 1.0f)) {
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < kOutputRegs / 4; ++j) {
 #pragma unroll
@@ -278,13 +335,23 @@ class PrefillConsumer {
 #pragma unroll
     for (int k = 0; k < kKeySteps; ++k) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) p[k][i] = pack_pair<kDType>(s[8 * k + 2 * i], s[8 * k + 2 * i + 1]);
+      for (int i = 0; i < 4; ++i)
+        p[k][i] = pack_pair<kDType>(s[8 * k + 2 * i], s[8 * k + 2 * i + 1]);
     }
   }
 
   // The main loop of one CTA tile (schedule at the top of this file).
   __device__ void attend(const PrefillTile& tile, const Rows& rows, RingState& ring,
                          int32_t& q_count, float (&o)[kOutputRegs], Softmax& softmax) {
+    // A warpgroup whose 64 rows are all padding (decode: a few packed rows per tile) keeps the
+    // barrier protocol but leaves the tensor cores to the others. Not at d256, whose 128-float
+    // output accumulator leaves no registers for the second path (ptxas spills).
+    if constexpr (Traits::kHeadDim <= 128) {
+      if (warpgroup_ * 64 >= tile.rows) {
+        attend_idle(tile, ring, q_count);
+        return;
+      }
+    }
     float s[kScoreRegs];
     uint32_t p[kKeySteps][4];
     const int n = tile.num_key_tiles;
@@ -349,6 +416,36 @@ class PrefillConsumer {
     release(smem_.v_empty(last_stage));
   }
 
+  // attend() for a warpgroup without rows in the tile: the same waits, scheduler turns and
+  // releases in the same order, no GEMM (a separate path, so the busy one keeps its wgmma
+  // pipelining: ptxas serialises wgmma when accumulators are live across such branches).
+  __device__ void attend_idle(const PrefillTile& tile, RingState& ring, int32_t& q_count) const {
+    const int n = tile.num_key_tiles;
+    ptx::mbarrier_wait(smem_.q_full(), static_cast<uint32_t>(q_count & 1));
+    ++q_count;
+    RingState previous = ring;
+    for (int t = 0; t < n; ++t) {
+      const int stage = ring.stage<Traits::kStages>();
+      ptx::mbarrier_wait(smem_.k_full(stage), ring.parity<Traits::kStages>());
+      scheduler_wait();
+      if (t > 0) {
+        ptx::mbarrier_wait(smem_.v_full(previous.stage<Traits::kStages>()),
+                           previous.parity<Traits::kStages>());
+      }
+      scheduler_pass();
+      release(smem_.k_empty(stage));
+      if (Traits::kSeparateOutputSmem && t == n - 1) release(smem_.q_empty());
+      if (t > 0) release(smem_.v_empty(previous.stage<Traits::kStages>()));
+      previous = ring;
+      ++ring.count;
+    }
+    ptx::mbarrier_wait(smem_.v_full(previous.stage<Traits::kStages>()),
+                       previous.parity<Traits::kStages>());
+    scheduler_wait();
+    scheduler_pass();
+    release(smem_.v_empty(previous.stage<Traits::kStages>()));
+  }
+
   // Divides O by the row sums; lse (natural log) of each row, -inf for a row that saw no key.
   __device__ __forceinline__ void normalise(float (&o)[kOutputRegs], const Softmax& softmax,
                                             float (&lse)[2]) const {
@@ -379,8 +476,8 @@ class PrefillConsumer {
   // Straight from registers: float partials of a split key range (row item.partial_row +
   // packed row within the item, as the merge kernel expects), or o in q's dtype for a tile
   // without keys.
-  __device__ void store_direct(const PrefillTile& tile, const Rows& rows,
-                               float (&o)[kOutputRegs], const Softmax& softmax) const {
+  __device__ void store_direct(const PrefillTile& tile, const Rows& rows, float (&o)[kOutputRegs],
+                               const Softmax& softmax) const {
     float lse[2];
     normalise(o, softmax, lse);
     const int32_t head_dim = problem_.head_dim;
@@ -447,8 +544,8 @@ class PrefillConsumer {
             pack_pair<kDType>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
       }
       if (problem_.lse != nullptr && lane_ % 4 == 0 && row < tile.rows) {
-        problem_.lse[output_token(tile, row) * problem_.lse_stride_token +
-                     output_head(tile, row)] = lse[h];
+        problem_.lse[output_token(tile, row) * problem_.lse_stride_token + output_head(tile, row)] =
+            lse[h];
       }
     }
     if (params_.o_tma != 0 && tile.tokens == params_.tokens_per_tile) {

@@ -40,4 +40,16 @@ std::string prefill_unsupported_reason(int sm_major, int head_dim, int num_qo_he
   return {};
 }
 
+bool serves_decode(int sm_major, int head_dim, int num_qo_heads, int num_kv_heads, DType q_dtype,
+                   DType kv_dtype) {
+  // Opt-in (TESSERA_DECODE_KERNEL=sm90): measured slower than the sm80 decode kernels on paged
+  // caches of 16-token pages (2.6 vs 4.5 TB/s at 256 x 16k, docs/PERF.md), whose per-page TMA
+  // boxes the producer cannot issue fast enough.
+  const char* forced = std::getenv("TESSERA_DECODE_KERNEL");
+  if (forced == nullptr || std::string(forced) != "sm90") return false;
+  return prefill_unsupported_reason(sm_major, head_dim, num_qo_heads, num_kv_heads, q_dtype,
+                                    kv_dtype)
+      .empty();
+}
+
 }  // namespace tessera::detail::sm90

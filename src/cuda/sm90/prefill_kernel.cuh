@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -50,6 +51,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       ptx::mbarrier_init(smem.v_full(stage), Traits::kProducerThreads);
       ptx::mbarrier_init(smem.v_empty(stage), Traits::kConsumerWarps);
     }
+
     ptx::fence_mbarrier_init();
   }
   __syncthreads();
@@ -78,8 +80,8 @@ const char* prefill_kernel_name() {
 
 // The K/V maps of one tensor (k or v): ragged rows or pages; heads_first as in PrefillParams.
 template <class Traits>
-bool encode_kv_map(CUtensorMap* map, const AttentionProblem& problem, bool values,
-                   int32_t box_rows, bool heads_first, std::string* why) {
+bool encode_kv_map(CUtensorMap* map, const AttentionProblem& problem, bool values, int32_t box_rows,
+                   bool heads_first, std::string* why) {
   const KVSource& kv = problem.kv;
   const void* base = values ? kv.v : kv.k;
   const int64_t stride_token = values ? kv.v_stride_token : kv.k_stride_token;
@@ -115,7 +117,7 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   params->args = args;
   params->tokens_per_tile = tile_rows / group;
   const auto q_like = [&](int64_t extent, int64_t stride_token, int64_t stride_head,
-                          TensorMapDim (&dims)[3]) {
+                          TensorMapDim(&dims)[3]) {
     dims[0] = {problem.head_dim, 1, 64};
     dims[1] = {problem.num_qo_heads, stride_head, static_cast<uint32_t>(group)};
     dims[2] = {std::max<int64_t>(extent, 1), stride_token,
@@ -140,13 +142,18 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   bool kv_tma = k_heads_first == heads_first(kv.v_stride_head, kv.v_stride_token);
   if (kv.paged) {
     const int32_t page = kv.page_size;
-    const bool aligned = page % 8 == 0 && (Traits::kBlockN % page == 0 || page % Traits::kBlockN == 0);
+    const bool aligned =
+        page % 8 == 0 && (Traits::kBlockN % page == 0 || page % Traits::kBlockN == 0);
     kv_tma = kv_tma && aligned;
     box_rows = std::min(page, Traits::kBlockN);
   }
-  kv_tma = kv_tma &&
-           encode_kv_map<Traits>(&params->k_map, problem, false, box_rows, k_heads_first, &reason) &&
-           encode_kv_map<Traits>(&params->v_map, problem, true, box_rows, k_heads_first, &reason);
+  // TESSERA_SM90_KV=gather: every key tile through the cp.async gather (for timing it).
+  const char* kv_mode = std::getenv("TESSERA_SM90_KV");
+  if (kv_mode != nullptr && std::string(kv_mode) == "gather") kv_tma = false;
+  kv_tma =
+      kv_tma &&
+      encode_kv_map<Traits>(&params->k_map, problem, false, box_rows, k_heads_first, &reason) &&
+      encode_kv_map<Traits>(&params->v_map, problem, true, box_rows, k_heads_first, &reason);
   params->kv_tma = kv_tma ? 1 : 0;
   params->kv_heads_first = k_heads_first ? 1 : 0;
   params->kv_box_rows = kv.paged ? box_rows : 0;

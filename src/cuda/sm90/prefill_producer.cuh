@@ -10,8 +10,9 @@
 // K of tile 0 goes out before Q (it does not wait for the previous tile's consumers), then Q
 // (once the consumers released the Q buffer), then V of tile 0, K of tile 1, and so on.
 //
-// Paged caches: page ids (TMA) or row offsets (gather) of key tile t + 1 are looked up into a
-// shared table while tile t is in flight, so no dependent global load sits in front of a copy.
+// Paged caches: the page ids of the next kPageTableKeys keys are read into a shared table one
+// chunk ahead (all 128 threads, while the current chunk's copies are in flight), so no
+// dependent global load sits in front of a copy.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,7 @@ namespace tessera::detail::sm90 {
 // Shared-memory addresses of the ring, the Q buffer, the key table and the barriers.
 template <class Traits>
 struct PrefillSmem {
-  uint32_t base;  // 1024-aligned .shared address
+  uint32_t base;           // 1024-aligned .shared address
   unsigned char* generic;  // the same byte as a generic pointer
 
   __device__ __forceinline__ uint32_t q() const { return base + Traits::kQOffset; }
@@ -40,14 +41,11 @@ struct PrefillSmem {
     return base + static_cast<uint32_t>(Traits::kVOffset + stage * Traits::kKVStageBytes);
   }
   __device__ __forceinline__ uint32_t o() const { return base + Traits::kOOffset; }
-  __device__ __forceinline__ unsigned char* o_generic() const {
-    return generic + Traits::kOOffset;
-  }
-  // Key table slot: kBlockN entries of {k, v} int64 (gather: element offsets of the rows,
-  // -1 = past the request; TMA: entry i's k = page id of the tile's i-th page).
-  __device__ __forceinline__ int64_t* key_table(int slot) const {
-    return reinterpret_cast<int64_t*>(generic + Traits::kKeyTableOffset) +
-           slot * 2 * Traits::kBlockN;
+  __device__ __forceinline__ unsigned char* o_generic() const { return generic + Traits::kOOffset; }
+  // Page-table slot: kPageTableEntries page ids (prefill_traits.cuh).
+  __device__ __forceinline__ int32_t* page_table(int slot) const {
+    return reinterpret_cast<int32_t*>(generic + Traits::kPageTableOffset) +
+           slot * Traits::kPageTableEntries;
   }
   __device__ __forceinline__ uint32_t barrier(int index) const {
     return base + static_cast<uint32_t>(Traits::kBarrierOffset + 8 * index);
@@ -115,31 +113,38 @@ class PrefillProducer {
  private:
   __device__ void produce_tile(const PrefillTile& tile, RingState& ring, int32_t& q_count) {
     const KVSource& kv = problem_.kv;
+    constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
     const int32_t page_base = kv.paged ? kv.page_indptr[tile.request] : 0;
     const int32_t kv_row_base = kv.paged ? 0 : kv.kv_indptr[tile.request];
     if (kv.paged) {
-      // Every thread is done reading the previous tile's table slots before slot 0 is refilled.
+      // Every thread is done reading the previous tile's table before slot 0 is refilled.
       ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
-      fill_key_table(tile, 0, page_base, 0);
+      fill_page_table(tile, 0, page_base);
+      ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
     }
     for (int t = 0; t < tile.num_key_tiles; ++t) {
-      const int slot = t % 2;
-      if (kv.paged) ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
+      const int chunk = t / kChunkTiles;
+      const bool chunk_start = t % kChunkTiles == 0;
+      // Publishes the chunk filled during the previous one (and ends every thread's reads of
+      // the slot the next fill overwrites).
+      if (kv.paged && chunk_start && t > 0) {
+        ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
+      }
       const bool gathered = key_tile_is_gathered<Traits::kBlockN>(params_, tile, t);
       const int stage = ring.stage<Traits::kStages>();
       const uint32_t free_parity = ring.parity<Traits::kStages>() ^ 1;
 
       ptx::mbarrier_wait(smem_.k_empty(stage), free_parity);
-      load_key_tile(tile, t, slot, gathered, kv_row_base, /*values=*/false, smem_.k(stage),
+      load_key_tile(tile, t, chunk, gathered, kv_row_base, /*values=*/false, smem_.k(stage),
                     smem_.k_full(stage));
       if (t == 0) load_q(tile, q_count++);
       ptx::mbarrier_wait(smem_.v_empty(stage), free_parity);
-      load_key_tile(tile, t, slot, gathered, kv_row_base, /*values=*/true, smem_.v(stage),
+      load_key_tile(tile, t, chunk, gathered, kv_row_base, /*values=*/true, smem_.v(stage),
                     smem_.v_full(stage));
       ++ring.count;
-      // The lookups of tile t + 1 overlap the copies of tile t; the barrier at the top of the
-      // next iteration publishes them (and ends every thread's reads of that slot from t - 1).
-      if (kv.paged && t + 1 < tile.num_key_tiles) fill_key_table(tile, t + 1, page_base, slot ^ 1);
+      if (kv.paged && chunk_start && (chunk + 1) * kChunkTiles < tile.num_key_tiles) {
+        fill_page_table(tile, chunk + 1, page_base);
+      }
     }
   }
 
@@ -150,8 +155,7 @@ class PrefillProducer {
     if (threadIdx.x != 0) return;
     const int32_t group = problem_.group_size();
     ptx::mbarrier_wait(smem_.q_empty(), static_cast<uint32_t>(q_count & 1) ^ 1);
-    const uint32_t box_bytes =
-        static_cast<uint32_t>(64 * 2 * group * params_.tokens_per_tile);
+    const uint32_t box_bytes = static_cast<uint32_t>(64 * 2 * group * params_.tokens_per_tile);
     ptx::mbarrier_arrive_expect_tx(smem_.q_full(), box_bytes * Traits::kColumnBlocks);
 #pragma unroll
     for (int block = 0; block < Traits::kColumnBlocks; ++block) {
@@ -161,41 +165,30 @@ class PrefillProducer {
     }
   }
 
-  // Paged caches: the table for key tile t in `slot`. One entry per key, one key per thread
-  // (kBlockN <= 2 x 128 threads): the row offsets for a gathered tile, the page id for each
-  // box of a TMA tile.
-  __device__ __forceinline__ void fill_key_table(const PrefillTile& tile, int t,
-                                                 int32_t page_base, int slot) {
+  // First key of page-table chunk `chunk` of the tile and the request page it starts in.
+  __device__ __forceinline__ int32_t chunk_first_page(const PrefillTile& tile, int chunk) const {
+    return (tile.key0 + chunk * Traits::kPageTableKeys) / problem_.kv.page_size;
+  }
+
+  // Page ids of the request pages that keys [chunk start, + kPageTableKeys) of the tile touch
+  // (only pages the request has), into slot chunk % 2.
+  __device__ __forceinline__ void fill_page_table(const PrefillTile& tile, int chunk,
+                                                  int32_t page_base) {
     const KVSource& kv = problem_.kv;
-    int64_t* table = smem_.key_table(slot);
-    const int32_t first_key = tile.key0 + t * Traits::kBlockN;
-    const bool gathered = key_tile_is_gathered<Traits::kBlockN>(params_, tile, t);
+    int32_t* table = smem_.page_table(chunk % 2);
+    const int32_t first_page = chunk_first_page(tile, chunk);
+    const int32_t chunk_end =
+        min(tile.key0 + (chunk + 1) * Traits::kPageTableKeys,
+            min(tile.kv_len, tile.key0 + tile.num_key_tiles * Traits::kBlockN));
+    const int32_t end_page = (chunk_end + kv.page_size - 1) / kv.page_size;
 #pragma unroll 1
-    for (int row = threadIdx.x; row < Traits::kBlockN; row += Traits::kProducerThreads) {
-      const int32_t key = first_key + row;
-      if (gathered) {
-        int64_t k_offset = -1, v_offset = -1;
-        if (key < tile.kv_len) {
-          const int64_t page = kv.page_indices[page_base + key / kv.page_size];
-          const int64_t in_page = key % kv.page_size;
-          k_offset = page * kv.k_stride_page + in_page * kv.k_stride_token +
-                     tile.kv_head * kv.k_stride_head;
-          v_offset = page * kv.v_stride_page + in_page * kv.v_stride_token +
-                     tile.kv_head * kv.v_stride_head;
-        }
-        table[2 * row] = k_offset;
-        table[2 * row + 1] = v_offset;
-      } else if (row * params_.kv_box_rows < Traits::kBlockN) {
-        // Box `row` starts at key first_key + row * box_rows (never past kv_len: TMA tiles lie
-        // inside the request).
-        const int32_t box_key = first_key + row * params_.kv_box_rows;
-        table[2 * row] = kv.page_indices[page_base + box_key / kv.page_size];
-      }
+    for (int32_t e = threadIdx.x; first_page + e < end_page; e += Traits::kProducerThreads) {
+      table[e] = kv.page_indices[page_base + first_page + e];
     }
   }
 
   // One K (values = false) or V tile into `dst`, completing on `full`.
-  __device__ __forceinline__ void load_key_tile(const PrefillTile& tile, int t, int slot,
+  __device__ __forceinline__ void load_key_tile(const PrefillTile& tile, int t, int chunk,
                                                 bool gathered, int32_t kv_row_base, bool values,
                                                 uint32_t dst, uint32_t full) {
     const KVSource& kv = problem_.kv;
@@ -220,10 +213,13 @@ class PrefillProducer {
       }
       const int32_t box_rows = params_.kv_box_rows;
       const int32_t row_in_page = first_key % kv.page_size;  // 0 unless page_size > BLOCK_N
-      const int64_t* table = smem_.key_table(slot);
+      const int32_t* table = smem_.page_table(chunk % 2);
+      const int32_t table_first = first_key / kv.page_size - chunk_first_page(tile, chunk);
 #pragma unroll 1
       for (int box = 0; box * box_rows < Traits::kBlockN; ++box) {
-        const int32_t page = static_cast<int32_t>(table[2 * box]);
+        // Box `box` starts at key first_key + box * box_rows: TMA tiles lie inside the request,
+        // and box_rows is a whole number of pages when pages are smaller than a key tile.
+        const int32_t page = table[table_first + box * box_rows / kv.page_size];
 #pragma unroll
         for (int block = 0; block < Traits::kColumnBlocks; ++block) {
           ptx::tma_load_4d(dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes) +
@@ -239,24 +235,29 @@ class PrefillProducer {
     const auto* base = static_cast<const uint16_t*>(values ? kv.v : kv.k);
     const int64_t stride_token = values ? kv.v_stride_token : kv.k_stride_token;
     const int64_t stride_head = values ? kv.v_stride_head : kv.k_stride_head;
-    const int64_t* table = smem_.key_table(slot);
-    const int chunk = threadIdx.x % 8;
+    const int32_t* table = smem_.page_table(chunk % 2);
+    const int32_t table_first = kv.paged ? chunk_first_page(tile, chunk) : 0;
+    const int64_t stride_page = values ? kv.v_stride_page : kv.k_stride_page;
+    const int lane_chunk = threadIdx.x % 8;
 #pragma unroll 1
     for (int row = threadIdx.x / 8; row < Traits::kBlockN; row += Traits::kProducerThreads / 8) {
-      int64_t offset;
-      if (kv.paged) {
-        offset = table[2 * row + (values ? 1 : 0)];
-      } else {
-        const int32_t key = first_key + row;
-        offset = key < tile.kv_len ? (kv_row_base + int64_t{key}) * stride_token +
-                                         int64_t{tile.kv_head} * stride_head
-                                   : -1;
+      const int32_t key = first_key + row;
+      int64_t offset = -1;
+      if (key < tile.kv_len) {
+        if (kv.paged) {
+          const int32_t page_in_request = key / kv.page_size;
+          offset = int64_t{table[page_in_request - table_first]} * stride_page +
+                   int64_t{key - page_in_request * kv.page_size} * stride_token;
+        } else {
+          offset = (kv_row_base + int64_t{key}) * stride_token;
+        }
+        offset += int64_t{tile.kv_head} * stride_head;
       }
       const uint32_t row_dst = dst + row * static_cast<uint32_t>(Traits::kRowBytes) +
-                               static_cast<uint32_t>((chunk ^ (row % 8)) << 4);
+                               static_cast<uint32_t>((lane_chunk ^ (row % 8)) << 4);
 #pragma unroll
       for (int block = 0; block < Traits::kColumnBlocks; ++block) {
-        const int column = block * 64 + chunk * 8;
+        const int column = block * 64 + lane_chunk * 8;
         const bool valid = offset >= 0 && column < problem_.head_dim;
         ptx::cp_async_16_zfill(row_dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes),
                                valid ? base + offset + column : base, valid);

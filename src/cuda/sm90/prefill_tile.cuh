@@ -25,8 +25,8 @@ struct alignas(128) PrefillParams {
   CUtensorMap v_map;
   PrefillArgs args;
   int32_t tokens_per_tile = 0;  // query tokens of a CTA tile (BLOCK_M / group)
-  int32_t kv_tma = 0;          // 1: K/V tiles inside a request are copied by TMA; 0: gathered
-  int32_t kv_heads_first = 0;  // 1: map dimension 1 is the head, 2 the row; 0: the reverse
+  int32_t kv_tma = 0;           // 1: K/V tiles inside a request are copied by TMA; 0: gathered
+  int32_t kv_heads_first = 0;   // 1: map dimension 1 is the head, 2 the row; 0: the reverse
   // Paged K/V with kv_tma: rows of one box, min(page_size, BLOCK_N) (page_size is a multiple of
   // 8 that divides or is divided by BLOCK_N).
   int32_t kv_box_rows = 0;
@@ -38,14 +38,14 @@ struct alignas(128) PrefillParams {
 struct PrefillTile {
   int32_t request;
   int32_t kv_head;
-  int32_t q_begin;  // global row of the request's first query token
-  int32_t q_len;    // query tokens of the request
-  int32_t kv_len;   // keys of the request
-  int32_t token0;   // first query token of the tile, within the request
-  int32_t tokens;   // 1 .. tokens_per_tile
-  int32_t rows;     // tokens x group packed rows
+  int32_t q_begin;            // global row of the request's first query token
+  int32_t q_len;              // query tokens of the request
+  int32_t kv_len;             // keys of the request
+  int32_t token0;             // first query token of the tile, within the request
+  int32_t tokens;             // 1 .. tokens_per_tile
+  int32_t rows;               // tokens x group packed rows
   int32_t first_row_in_item;  // packed row of the work item where the tile starts (partials)
-  int32_t kv_start;  // the work item's key range
+  int32_t kv_start;           // the work item's key range
   int32_t kv_end;
   int32_t partial_row;  // the work item's first partial row, -1 when it writes o directly
   // Key tile t covers keys [key0 + t * BLOCK_N, + BLOCK_N); key0 is a multiple of BLOCK_N, so

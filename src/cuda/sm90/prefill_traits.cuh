@@ -9,9 +9,9 @@
 //
 // Choice of shapes (after FA3's tile_size_fwd_sm90, BLOCK_N a power of two so that key tiles
 // align with pages):
-//   d64 : 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   ( 97 KiB)
-//   d128: 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (193 KiB)
-//   d256: 128 x  64, 2 consumer warpgroups, 2 K/V stages, O staged in Q's buffer  (193 KiB)
+//   d64 : 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (113 KiB)
+//   d128: 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (209 KiB)
+//   d256: 128 x  64, 2 consumer warpgroups, 2 K/V stages, O staged in Q's buffer  (209 KiB)
 // One CTA per SM (227 KiB of shared memory per block at most on sm_90). FA3 runs d64 with three
 // consumer warpgroups (192 rows); here the producer needs 56 registers (its paged and gather
 // paths), which leaves 152 per consumer thread for three warpgroups - the d64 consumer spills
@@ -47,16 +47,16 @@ struct PrefillShape {
   // below 56).
   static constexpr int kProducerRegisters = 56;
   static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 224 : 152;
-  static_assert(kProducerRegisters * kProducerThreads +
-                        kConsumerRegisters * kConsumerThreads <= 65536,
+  static_assert(kProducerRegisters * kProducerThreads + kConsumerRegisters * kConsumerThreads <=
+                    65536,
                 "the register budgets exceed the 64K registers of an SM");
 
   // Per-thread fragments (wgmma m64nNk16, see ptx/wgmma.cuh).
-  static constexpr int kScoreRegisters = kBlockN / 2;   // S = Q K^T accumulator, N = BLOCK_N
-  static constexpr int kOutputRegisters = kHeadDim / 2; // O accumulator, N = head_dim
-  static constexpr int kHeadSteps = kHeadDim / 16;      // k-steps of Q K^T
-  static constexpr int kKeySteps = kBlockN / 16;        // k-steps of P V
-  static constexpr int kColumnBlocks = kHeadDim / 64;   // 128-byte column blocks of a row
+  static constexpr int kScoreRegisters = kBlockN / 2;    // S = Q K^T accumulator, N = BLOCK_N
+  static constexpr int kOutputRegisters = kHeadDim / 2;  // O accumulator, N = head_dim
+  static constexpr int kHeadSteps = kHeadDim / 16;       // k-steps of Q K^T
+  static constexpr int kKeySteps = kBlockN / 16;         // k-steps of P V
+  static constexpr int kColumnBlocks = kHeadDim / 64;    // 128-byte column blocks of a row
 
   // Shared memory: every tile is kColumnBlocks blocks of [rows][64] 16-bit elements, 128-byte
   // rows, 128-byte swizzle (what the TMA maps write; see ptx/wgmma.cuh).
@@ -68,15 +68,18 @@ struct PrefillShape {
   static constexpr size_t kQOffset = 0;
   static constexpr size_t kKOffset = kQOffset + kQBytes;
   static constexpr size_t kVOffset = kKOffset + kStages * kKVStageBytes;
-  static constexpr size_t kOOffset = kSeparateOutputSmem ? kVOffset + kStages * kKVStageBytes
-                                                         : kQOffset;
+  static constexpr size_t kOOffset =
+      kSeparateOutputSmem ? kVOffset + kStages * kKVStageBytes : kQOffset;
   static constexpr size_t kTilesEnd =
       kSeparateOutputSmem ? kOOffset + kQBytes : kVOffset + kStages * kKVStageBytes;
-  // Producer-side table of page ids / key row offsets, double-buffered (prefill_producer.cuh).
-  static constexpr size_t kKeyTableOffset = kTilesEnd;
-  static constexpr size_t kKeyTableBytes = 2 * size_t{kBlockN} * 2 * sizeof(int64_t);
+  // Producer-side page table (paged caches): page ids of kPageTableKeys consecutive keys per
+  // slot (one page per key at page_size 1), double-buffered (prefill_producer.cuh).
+  static constexpr int kPageTableKeys = 2048;
+  static constexpr int kPageTableEntries = kPageTableKeys + 8;
+  static constexpr size_t kPageTableOffset = kTilesEnd;
+  static constexpr size_t kPageTableBytes = 2 * size_t{kPageTableEntries} * sizeof(int32_t);
   // mbarriers: q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage.
-  static constexpr size_t kBarrierOffset = kKeyTableOffset + kKeyTableBytes;
+  static constexpr size_t kBarrierOffset = kPageTableOffset + kPageTableBytes;
   static constexpr int kNumBarriers = 2 + 4 * kStages;
   static constexpr size_t kBarrierBytes = size_t{kNumBarriers} * 8;
   // The dynamic shared-memory window is only guaranteed 16-byte alignment; the kernel rounds
@@ -91,6 +94,7 @@ struct PrefillShape {
                 "every tile block starts on a swizzle atom");
   static_assert(kSmemBytes <= 227 * 1024, "over the per-block shared-memory opt-in of sm_90");
   static_assert(kStages >= 1, "at least one K/V stage");
+  static_assert(kPageTableKeys % kBlockN == 0, "page-table chunks hold whole key tiles");
 };
 
 template <int kHeadDim>

@@ -1,7 +1,7 @@
 #include "cuda/sm90/tensor_map.hpp"
 
-#include <cuda_runtime.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_runtime.h>
 
 #include <mutex>
 
@@ -15,8 +15,8 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_entry_point(std::string* why) {
   std::call_once(once, [] {
     void* function = nullptr;
     cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-    const cudaError_t error = cudaGetDriverEntryPointByVersion(
-        "cuTensorMapEncodeTiled", &function, 12000, cudaEnableDefault, &status);
+    const cudaError_t error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function,
+                                                               12000, cudaEnableDefault, &status);
     if (error != cudaSuccess || status != cudaDriverEntryPointSuccess || function == nullptr) {
       (void)cudaGetLastError();
       failure = "the CUDA driver does not provide cuTensorMapEncodeTiled";
@@ -66,8 +66,8 @@ bool encode_tensor_map(CUtensorMap* map, DType dtype, const void* base, const Te
       return false;
     }
     if (stride_bytes < previous_stride_bytes) {
-      *why = "strides decrease from dimension " + std::to_string(d - 1) + " to " +
-             std::to_string(d);
+      *why =
+          "strides decrease from dimension " + std::to_string(d - 1) + " to " + std::to_string(d);
       return false;
     }
     strides[d - 1] = static_cast<cuuint64_t>(stride_bytes);
@@ -76,14 +76,16 @@ bool encode_tensor_map(CUtensorMap* map, DType dtype, const void* base, const Te
   }
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_entry_point(why);
   if (encode == nullptr) return false;
-  const CUresult result = encode(
-      map,
-      dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      static_cast<cuuint32_t>(rank), const_cast<void*>(base), extents, strides, box,
-      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult result =
+      encode(map,
+             dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+             static_cast<cuuint32_t>(rank), const_cast<void*>(base), extents, strides, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (result != CUDA_SUCCESS) {
-    *why = "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(result));
+    *why =
+        "cuTensorMapEncodeTiled failed with CUresult " + std::to_string(static_cast<int>(result));
     return false;
   }
   return true;
