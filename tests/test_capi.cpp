@@ -242,6 +242,13 @@ TEST(CApiInfo, CpuControls) {
   EXPECT_EQ(tessera::cpu_impl(), tessera::CpuImpl::kReference);
   EXPECT_EQ(tessera_set_cpu_reference(0), TESSERA_OK);
   EXPECT_EQ(tessera::cpu_impl(), tessera::CpuImpl::kFast);
+  const int checking = tessera_index_checking();
+  EXPECT_EQ(tessera_set_index_checking(1), TESSERA_OK);
+  EXPECT_EQ(tessera_index_checking(), 1);
+  EXPECT_TRUE(tessera::index_checking());
+  EXPECT_EQ(tessera_set_index_checking(0), TESSERA_OK);
+  EXPECT_EQ(tessera_index_checking(), 0);
+  EXPECT_EQ(tessera_set_index_checking(checking), TESSERA_OK);
   EXPECT_STREQ(tessera_last_error(), "");
 }
 

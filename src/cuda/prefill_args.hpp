@@ -28,4 +28,14 @@ struct PrefillArgs {
   float soft_cap_post = 0.0f;
 };
 
+// Instantiated head_dim that serves `head_dim` in both prefill families (next of 64, 128, 256;
+// smaller multiples of 8 are zero-padded), 0 when none does.
+constexpr int prefill_head_dim_bucket(int head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0) return 0;
+  if (head_dim <= 64) return 64;
+  if (head_dim <= 128) return 128;
+  if (head_dim <= 256) return 256;
+  return 0;
+}
+
 }  // namespace tessera::detail

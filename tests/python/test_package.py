@@ -81,6 +81,12 @@ def test_cpu_controls():
         tessera.set_num_threads(-3)
     tessera.use_cpu_reference(True)
     tessera.use_cpu_reference(False)
+    saved = tessera.index_checking()
+    tessera.set_index_checking(True)
+    assert tessera.index_checking()
+    tessera.set_index_checking(False)
+    assert not tessera.index_checking()
+    tessera.set_index_checking(saved)
 
 
 class DLPackOnly:

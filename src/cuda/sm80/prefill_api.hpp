@@ -33,14 +33,7 @@ struct PrefillKernel {
   int (*max_ctas_per_sm)(int device);
 };
 
-// Instantiated head_dim that serves `head_dim` (next of 64, 128, 256), 0 when none does.
-constexpr int prefill_head_dim_bucket(int head_dim) {
-  if (head_dim <= 0 || head_dim % 8 != 0) return 0;
-  if (head_dim <= 64) return 64;
-  if (head_dim <= 128) return 128;
-  if (head_dim <= 256) return 256;
-  return 0;
-}
+using detail::prefill_head_dim_bucket;  // cuda/prefill_args.hpp
 
 // Tile-shape variant of the prefill kernels (0 = default; 1, 2 = tuning candidates, see
 // PrefillVariantTraits in prefill_traits.cuh), from the environment variable

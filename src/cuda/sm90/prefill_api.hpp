@@ -33,14 +33,7 @@ struct PrefillKernel {
   bool (*try_launch)(const PrefillArgs& args, void* stream, std::string* why);
 };
 
-// Instantiated head_dim that serves `head_dim` (next of 64, 128, 256), 0 when none does.
-constexpr int prefill_head_dim_bucket(int head_dim) {
-  if (head_dim <= 0 || head_dim % 8 != 0) return 0;
-  if (head_dim <= 64) return 64;
-  if (head_dim <= 128) return 128;
-  if (head_dim <= 256) return 256;
-  return 0;
-}
+using detail::prefill_head_dim_bucket;  // cuda/prefill_args.hpp
 
 // Packed rows of a CTA tile for a GQA group: whole tokens, each with its whole group
 // (block_m / group tokens), or 0 when the group is wider than the tile.

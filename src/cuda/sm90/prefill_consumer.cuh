@@ -107,19 +107,10 @@ class PrefillConsumer {
     // (A shared tile ring fed by the producer was tried: correct under the PTX memory model, its
     // mbarrier hand-off of plain shared-memory stores is reported as a race by
     // compute-sanitizer racecheck, and it bought no measurable time; docs/PERF.md.)
-    const int32_t worker = blockIdx.x;
-    const int32_t work_begin = params_.args.worker_indptr[worker];
-    const int32_t work_end = params_.args.worker_indptr[worker + 1];
     RingState ring;
     int32_t q_count = 0;
-    for (int32_t w = work_begin; w < work_end; ++w) {
-      const WorkItem item = params_.args.work[w];
-      for (int32_t offset = 0; offset < item.q_len; offset += params_.tokens_per_tile) {
-        consume_tile(
-            make_prefill_tile<Traits::kBlockN>(problem_, item, offset, params_.tokens_per_tile),
-            ring, q_count);
-      }
-    }
+    for_each_prefill_tile<Traits::kBlockN>(
+        params_, [&](const PrefillTile& tile) { consume_tile(tile, ring, q_count); });
     // The last warpgroup's final hand-over is addressed to warpgroup 0: consume it, so no named
     // barrier is left half-arrived when the CTA exits.
     if (warpgroup_ == 0) ptx::named_barrier_sync(scheduler_barrier(0), kSchedulerThreads);

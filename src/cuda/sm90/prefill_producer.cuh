@@ -93,20 +93,12 @@ class PrefillProducer {
         ptx::prefetch_tensor_map(&params_.v_map);
       }
     }
-    const int32_t worker = blockIdx.x;
-    const int32_t work_begin = params_.args.worker_indptr[worker];
-    const int32_t work_end = params_.args.worker_indptr[worker + 1];
     RingState ring;
     int32_t q_count = 0;
-    for (int32_t w = work_begin; w < work_end; ++w) {
-      const WorkItem item = params_.args.work[w];
-      for (int32_t offset = 0; offset < item.q_len; offset += params_.tokens_per_tile) {
-        const PrefillTile tile =
-            make_prefill_tile<Traits::kBlockN>(problem_, item, offset, params_.tokens_per_tile);
-        if (tile.num_key_tiles == 0) continue;  // consumers write o = 0 without Q or K/V
-        produce_tile(tile, ring, q_count);
-      }
-    }
+    for_each_prefill_tile<Traits::kBlockN>(params_, [&](const PrefillTile& tile) {
+      // A tile without keys: the consumers write o = 0 without Q or K/V.
+      if (tile.num_key_tiles > 0) produce_tile(tile, ring, q_count);
+    });
     ptx::cp_async_wait_group<0>();  // no copy of this thread outlives it
   }
 

@@ -90,6 +90,21 @@ __device__ __forceinline__ PrefillTile make_prefill_tile(const AttentionProblem&
   return tile;
 }
 
+// Calls fn(tile) for every CTA tile of this CTA's worker, in plan order: the producer and every
+// consumer warpgroup walk the same sequence, which is what keeps their rings in step.
+template <int kBlockN, class Fn>
+__device__ __forceinline__ void for_each_prefill_tile(const PrefillParams& params, Fn&& fn) {
+  const int32_t worker = blockIdx.x;
+  const int32_t work_begin = params.args.worker_indptr[worker];
+  const int32_t work_end = params.args.worker_indptr[worker + 1];
+  for (int32_t w = work_begin; w < work_end; ++w) {
+    const WorkItem item = params.args.work[w];
+    for (int32_t offset = 0; offset < item.q_len; offset += params.tokens_per_tile) {
+      fn(make_prefill_tile<kBlockN>(params.args.problem, item, offset, params.tokens_per_tile));
+    }
+  }
+}
+
 template <int kBlockN>
 __device__ __forceinline__ bool key_tile_needs_mask(const PrefillTile& tile, int key_tile) {
   const int32_t first_key = tile.key0 + key_tile * kBlockN;
