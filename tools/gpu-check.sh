@@ -10,6 +10,10 @@
 # TESSERA_SKIP_PYTHON=1, TESSERA_TEST_FILTER (gtest filter for the test binaries),
 # TESSERA_TESTS (space-separated binary names, default all), TESSERA_BENCH_ARGS,
 # TESSERA_TIMEOUT (seconds per binary, default 300).
+# Soak (optional, off by default so the usual run keeps its length): TESSERA_SOAK_CYCLES=N runs
+# tests/soak_cuda_graph (N plan/upload/CUDA-graph replay cycles, memory measured; 100000 is the
+# issue-7 figure) after the test binaries, even with TESSERA_SKIP_TESTS=1, under
+# TESSERA_SOAK_TIMEOUT seconds (default TESSERA_TIMEOUT); its output goes to tests.log.
 # Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log,
 # ncu.log.
 set -uo pipefail
@@ -43,6 +47,28 @@ if [ "${TESSERA_SKIP_TESTS:-0}" != 1 ]; then
     fi
   done
   grep -E "^(===|exit|\[  PASSED|\[  FAILED|\[  SKIPPED|FAILED)" "$log" | head -80
+fi
+
+# 1b. Optional: the CUDA-graph soak (tests/soak_cuda_graph.cpp), when TESSERA_SOAK_CYCLES is set.
+if [ -n "${TESSERA_SOAK_CYCLES:-}" ]; then
+  soak="$build/tests/soak_cuda_graph"
+  echo "=== soak_cuda_graph ($TESSERA_SOAK_CYCLES cycles)" >>"$log"
+  if [ -x "$soak" ]; then
+    start=$(date +%s)
+    timeout "${TESSERA_SOAK_TIMEOUT:-$limit}" "$soak" "$TESSERA_SOAK_CYCLES" >>"$log" 2>&1
+    rc=$?
+    echo "exit $rc after $(( $(date +%s) - start )) s" >>"$log"
+    if [ $rc -ne 0 ]; then
+      echo "FAILED: soak_cuda_graph (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))" |
+        tee -a "$log"
+      status=1
+    fi
+  else
+    echo "FAILED: soak_cuda_graph: $soak not found (tools/stage-gpu.sh stages it)" | tee -a "$log"
+    status=1
+  fi
+  sed -n '/^=== soak_cuda_graph/,$p' "$log" |
+    grep -E "^(===|exit|FAILED|soak: ([0-9]+ cycles|PASS|FAIL|ERROR|spot check|memory|warm-up))"
 fi
 
 # 2. The sm90 kernels are what we think they are: HGMMA and TMA in the SASS, no local memory.

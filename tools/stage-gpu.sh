@@ -17,6 +17,8 @@ rm -rf "$root/.devbuild"
 mkdir -p "$root/.devbuild/tests"
 cp "$build/tessera" "$build"/libtessera.so* "$root/.devbuild/"
 cp "$build"/tests/test_* "$root/.devbuild/tests/"
+# The soak (not a test_*: gpu-check.sh runs it only when TESSERA_SOAK_CYCLES is set).
+cp "$build/tests/soak_cuda_graph" "$root/.devbuild/tests/"
 strip --strip-unneeded "$root/.devbuild/tessera" "$root/.devbuild"/libtessera.so* \
-  "$root/.devbuild/tests"/test_* 2>/dev/null || true
+  "$root/.devbuild/tests"/test_* "$root/.devbuild/tests/soak_cuda_graph" 2>/dev/null || true
 du -sh "$root/.devbuild"

@@ -1,0 +1,881 @@
+// Soak (issue 7, item 6): many plan / upload_plan / CUDA-graph replay cycles with random batch
+// compositions, watching for errors, wrong results and memory growth. A standalone program, not
+// a ctest test (it needs a GPU and minutes); tools/gpu-check.sh runs it when TESSERA_SOAK_CYCLES
+// is set, tools/stage-gpu.sh copies it.
+//
+//   soak_cuda_graph [CYCLES]        (default: $TESSERA_SOAK_CYCLES, else 100000)
+//
+// Three graphs, each captured once (tests/test_cuda_graph.cpp's recipe: size every buffer for
+// the largest batch, plan it with a fixed PlanCapacity, upload_plan, one plain run outside the
+// capture, capture run_*() around views of the full buffers):
+//   * decode, balanced plans:      paged bf16, GQA 32/8, head_dim 128, page size 16, up to 32
+//                                  requests of up to 2048 keys (split-KV included);
+//   * decode, deterministic plans: the same with PlanCapacity::deterministic;
+//   * ragged prefill, causal:      bf16, GQA 32/8, head_dim 128, up to 8 requests of up to 128
+//                                  queries over up to 1024 keys.
+// Cycle i is a ragged prefill cycle when i % 10 == 9 (10% of the cycles), otherwise a decode
+// cycle (balanced for even i, deterministic for odd i). Each cycle: draw a random batch (size
+// and lengths; decode also a fresh page table), write the indices (cudaMemcpyAsync) and q (a
+// random fill kernel) into the graph's device buffers, plan with the graph's capacity (the
+// workspace size must not change), upload_plan on the stream, replay the graph, synchronise the
+// stream (a serving step). Every TESSERA_SOAK_CHECK_EVERY cycles (default 1000) the next cycle
+// of each graph is spot-checked: o / lse poisoned with NaN before the replay, no NaN left in the
+// batch's outputs afterwards, and 9 sampled rows (8 random + the batch's last) compared with the
+// double-precision oracle (detail::cpu_reference_rows): relative L2 of the row below
+// test::default_tolerance (bf16: 1e-2), |lse - ref| <= test::default_lse_tolerance (5e-4), rows
+// that see no key exactly o = 0, lse = -inf.
+//
+// Memory: device memory in use (cudaMemGetInfo: total - free, the whole device, so run it on an
+// otherwise idle GPU) and this process's resident set (/proc/self/statm) after the warm-up (the
+// first 1% of the cycles, at least 200), at every 10% mark and at the end. Pass criteria, end vs
+// warm-up: device growth <= TESSERA_SOAK_DEVICE_SLACK_BYTES (default 0: every device buffer, the
+// graphs and the library's per-device state exist after the warm-up, so any growth is a leak);
+// host RSS growth <= TESSERA_SOAK_RSS_SLACK_KIB (default 1024). Why host slack: a cycle frees
+// everything it allocates (plans, the oracle's scratch), but glibc keeps freed small blocks in
+// its heap and the resident size of that heap moves by a few pages with fragmentation, and the
+// CUDA driver keeps small host-side pools of its own; 1 MiB over 100,000 cycles is ~10 bytes per
+// cycle, so a real per-cycle leak of a plan or a vector still shows. To keep that noise small the
+// mmap threshold of malloc is pinned at 128 KiB (glibc's initial value; pinning stops glibc from
+// raising it after big frees, which would move big transient blocks into the heap).
+//
+// Exit status: 0 when there was no error (any CUDA error or tessera::Error is one), no failed
+// spot check and no memory growth above the slack; 1 otherwise. 0 with a skip message without a
+// CUDA device (or in a build without the CUDA backend).
+// Environment: TESSERA_SOAK_CYCLES, TESSERA_SOAK_CHECK_EVERY, TESSERA_SOAK_RSS_SLACK_KIB,
+// TESSERA_SOAK_DEVICE_SLACK_BYTES, TESSERA_SOAK_SEED (else TESSERA_TEST_SEED, else fixed).
+// Last line: `soak: N cycles, E errors, C spot checks ok, device memory +X B, host RSS +Y KiB,
+// T s` then `soak: PASS` or `soak: FAIL (...)`.
+#include <fcntl.h>
+#include <malloc.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "tessera/tessera.hpp"
+
+#if defined(TESSERA_HAVE_CUDA)
+#include <cuda_runtime.h>
+
+#include "common/attention_testing.hpp"
+#include "common/gpu_test_support.hpp"
+#include "core/half.hpp"
+#include "core/problem.hpp"
+#include "cpu/reference.hpp"
+#include "cuda/cuda_backend.hpp"
+#endif
+
+namespace tessera::soak {
+namespace {
+
+// A non-negative integer from the environment, or `fallback` when unset or malformed.
+long long env_count(const char* name, long long fallback) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  if (end == text || *end != '\0' || value < 0) {
+    std::fprintf(stderr, "soak_cuda_graph: ignoring %s=%s (expected a non-negative integer)\n",
+                 name, text);
+    return fallback;
+  }
+  return value;
+}
+
+// Resident set size in bytes (/proc/self/statm, second field, in pages), -1 if unreadable. Read
+// into a stack buffer: measuring allocates nothing.
+long long host_rss_bytes() {
+  const int fd = open("/proc/self/statm", O_RDONLY);
+  if (fd < 0) return -1;
+  char text[256];
+  const ssize_t n = read(fd, text, sizeof(text) - 1);
+  close(fd);
+  if (n <= 0) return -1;
+  text[n] = '\0';
+  long long size = 0, resident = 0;
+  if (std::sscanf(text, "%lld %lld", &size, &resident) != 2) return -1;
+  return resident * static_cast<long long>(sysconf(_SC_PAGESIZE));
+}
+
+#if defined(TESSERA_HAVE_CUDA)
+
+using test::DeviceBuffer;
+using test::kGpu;
+
+// A CUDA error: the context may be unusable afterwards, so the soak stops.
+class CudaFailure : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+void cuda_check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess) {
+    throw CudaFailure(std::string(what) + ": " + cudaGetErrorName(status) + " (" +
+                      cudaGetErrorString(status) + ")");
+  }
+}
+
+long long device_used_bytes() {
+  size_t free_bytes = 0, total_bytes = 0;
+  cuda_check(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
+  return static_cast<long long>(total_bytes) - static_cast<long long>(free_bytes);
+}
+
+class Stream {
+ public:
+  Stream() { cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); }
+  ~Stream() { cudaStreamDestroy(stream_); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class Graph {
+ public:
+  Graph() = default;
+  ~Graph() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+  }
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+};
+
+void copy_to_host(void* dst, const DeviceBuffer& src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  cuda_check(cudaMemcpyAsync(dst, src.data(), bytes, cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync (device to host)");
+}
+void copy_to_device(const DeviceBuffer& dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  cuda_check(cudaMemcpyAsync(dst.data(), src, bytes, cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync (host to device)");
+}
+void poison(const DeviceBuffer& buffer, cudaStream_t stream) {  // 0xff bytes: NaN in bf16 / fp32
+  cuda_check(cudaMemsetAsync(buffer.data(), 0xff, buffer.bytes(), stream), "cudaMemsetAsync");
+}
+
+struct Tolerance {
+  double o = 0;    // relative L2 of one row
+  double lse = 0;  // absolute
+};
+
+bool bf16_is_nan(uint16_t bits) { return (bits & 0x7fffu) > 0x7f80u; }
+
+// No NaN in the batch's o (rows x heads x head_dim bf16) or lse: every row was written.
+std::string scan_for_nan(const std::vector<uint16_t>& o, size_t o_count,
+                         const std::vector<float>& lse, size_t lse_count, int64_t row_elements) {
+  for (size_t i = 0; i < o_count; ++i) {
+    if (bf16_is_nan(o[i])) {
+      return "NaN in o (token " + std::to_string(static_cast<int64_t>(i) / row_elements) +
+             ", element " + std::to_string(static_cast<int64_t>(i) % row_elements) + ")";
+    }
+  }
+  for (size_t i = 0; i < lse_count; ++i) {
+    if (std::isnan(lse[i])) return "NaN in lse (entry " + std::to_string(i) + ")";
+  }
+  return "";
+}
+
+// Compares `rows` of the downloaded o (bf16, [token][head][dim] packed) and lse ([token][head])
+// with the oracle over the host problem `host` (the same batch's q, K/V and indices).
+std::string compare_rows(const detail::AttentionProblem& host,
+                         std::vector<detail::ReferenceRow>& rows, const std::vector<uint16_t>& o,
+                         const std::vector<float>& lse, const Tolerance& tolerance) {
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
+    return a.request != b.request ? a.request < b.request : a.qo_head < b.qo_head;
+  });
+  std::vector<double> ref_o, ref_lse;
+  detail::cpu_reference_rows(host, rows, &ref_o, &ref_lse);
+  const int32_t head_dim = host.head_dim;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    const detail::ReferenceRow& row = rows[r];
+    const int64_t token = int64_t{host.q_begin(row.request)} + row.token;
+    const int64_t entry = token * host.num_qo_heads + row.qo_head;
+    double diff = 0, norm = 0;
+    for (int32_t d = 0; d < head_dim; ++d) {
+      const double got = detail::bf16_to_float(o[static_cast<size_t>(entry * head_dim + d)]);
+      const double ref = ref_o[r * head_dim + d];
+      diff += (got - ref) * (got - ref);
+      norm += ref * ref;
+    }
+    const double error = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+    const double got_lse = lse[static_cast<size_t>(entry)];
+    const bool lse_ok = std::isinf(ref_lse[r])
+                            ? (std::isinf(got_lse) && got_lse < 0)
+                            : std::fabs(got_lse - ref_lse[r]) <= tolerance.lse;
+    if (!(error < tolerance.o) || !lse_ok) {
+      char text[320];
+      std::snprintf(text, sizeof(text),
+                    "request %d (q_len %d, kv_len %d) token %d head %d: relative L2 %.3g "
+                    "(limit %.3g), lse %.7g vs reference %.7g",
+                    row.request, host.q_len(row.request), host.kv.kv_len(row.request),
+                    row.token, row.qo_head, error, tolerance.o, got_lse, ref_lse[r]);
+      return text;
+    }
+  }
+  return "";
+}
+
+// ---------------------------------------------------------------------------- decode
+
+struct DecodeSoak {
+  static constexpr int kMaxBatch = 32, kMaxKv = 2048, kPageSize = 16;
+  static constexpr int kQoHeads = 32, kKvHeads = 8, kHeadDim = 128;
+  static constexpr int kNumPages = kMaxBatch * (kMaxKv / kPageSize);
+  static_assert((kNumPages & (kNumPages - 1)) == 0, "the page permutation needs a power of two");
+  // NHD cache: [page][token][kv head][dim].
+  static constexpr int64_t kTokenStride = int64_t{kKvHeads} * kHeadDim;
+  static constexpr int64_t kPageStride = kPageSize * kTokenStride;
+  static constexpr int64_t kPoolElements = kNumPages * kPageStride;
+  static constexpr int64_t kQRow = int64_t{kQoHeads} * kHeadDim;
+
+  DeviceBuffer k{static_cast<size_t>(kPoolElements) * 2};
+  DeviceBuffer v{static_cast<size_t>(kPoolElements) * 2};
+  DeviceBuffer q{static_cast<size_t>(kMaxBatch * kQRow) * 2};
+  DeviceBuffer o{static_cast<size_t>(kMaxBatch * kQRow) * 2};
+  DeviceBuffer lse{static_cast<size_t>(kMaxBatch) * kQoHeads * 4};
+  DeviceBuffer page_indptr{static_cast<size_t>(kMaxBatch + 1) * 4};
+  DeviceBuffer page_indices{static_cast<size_t>(kNumPages) * 4};
+  DeviceBuffer last_page_len{static_cast<size_t>(kMaxBatch) * 4};
+  // Host copies: the whole K/V pool (for the oracle), the current batch, spot-check downloads.
+  std::vector<uint16_t> k_host, v_host;
+  std::vector<int32_t> kv_lens, indptr_host, indices_host, last_host;
+  std::vector<uint16_t> q_check, o_check;
+  std::vector<float> lse_check;
+
+  DecodeSoak() {
+    kv_lens.reserve(kMaxBatch);
+    indptr_host.reserve(kMaxBatch + 1);
+    last_host.reserve(kMaxBatch);
+    indices_host.reserve(kNumPages);
+    q_check.resize(static_cast<size_t>(kMaxBatch * kQRow));
+    o_check.resize(static_cast<size_t>(kMaxBatch * kQRow));
+    lse_check.resize(static_cast<size_t>(kMaxBatch) * kQoHeads);
+  }
+
+  // Random K/V pool (uniform in [-1, 1), the bench's generator), mirrored on the host.
+  void fill_pool(uint64_t seed, cudaStream_t stream) {
+    detail::cuda_fill_random(k.data(), kPoolElements, DType::kBFloat16, seed, 1.0f, stream);
+    detail::cuda_fill_random(v.data(), kPoolElements, DType::kBFloat16, seed + 1, 1.0f, stream);
+    k_host.resize(static_cast<size_t>(kPoolElements));
+    v_host.resize(static_cast<size_t>(kPoolElements));
+    copy_to_host(k_host.data(), k, k.bytes(), stream);
+    copy_to_host(v_host.data(), v, v.bytes(), stream);
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (K/V pool)");
+  }
+
+  void max_lengths() { kv_lens.assign(kMaxBatch, kMaxKv); }
+
+  void random_lengths(std::mt19937_64& rng) {
+    const int kind = test::uniform(rng, 0, 4);
+    int32_t batch = test::uniform(rng, 1, kMaxBatch);
+    if (kind == 0) batch = test::uniform(rng, 1, 3);  // a few long requests: many splits
+    if (kind == 4) batch = kMaxBatch;
+    kv_lens.resize(static_cast<size_t>(batch));
+    for (int32_t& len : kv_lens) {
+      len = test::chance(rng, 0.03) ? 0 : test::uniform(rng, 1, kMaxKv);
+      if (kind == 0) len = test::uniform(rng, kMaxKv / 2, kMaxKv);
+    }
+  }
+
+  // Page table of the current lengths (distinct pages, a random affine permutation of the pool)
+  // and random q, written into the device buffers on `stream`.
+  void write_batch(std::mt19937_64& rng, uint64_t q_seed, cudaStream_t stream) {
+    const int32_t batch = static_cast<int32_t>(kv_lens.size());
+    indptr_host.resize(static_cast<size_t>(batch) + 1);
+    last_host.resize(static_cast<size_t>(batch));
+    indptr_host[0] = 0;
+    for (int32_t b = 0; b < batch; ++b) {
+      const int32_t pages = (kv_lens[b] + kPageSize - 1) / kPageSize;
+      indptr_host[b + 1] = indptr_host[b] + pages;
+      last_host[b] = pages == 0 ? 1 : kv_lens[b] - (pages - 1) * kPageSize;
+    }
+    const int32_t total_pages = indptr_host[batch];
+    const int32_t stride = 2 * test::uniform(rng, 0, kNumPages / 2 - 1) + 1;  // odd: a bijection
+    const int32_t offset = test::uniform(rng, 0, kNumPages - 1);
+    indices_host.resize(static_cast<size_t>(total_pages));
+    for (int32_t j = 0; j < total_pages; ++j) {
+      indices_host[j] = (offset + j * stride) & (kNumPages - 1);
+    }
+    copy_to_device(page_indptr, indptr_host.data(), indptr_host.size() * 4, stream);
+    copy_to_device(last_page_len, last_host.data(), last_host.size() * 4, stream);
+    copy_to_device(page_indices, indices_host.data(), indices_host.size() * 4, stream);
+    detail::cuda_fill_random(q.data(), batch * kQRow, DType::kBFloat16, q_seed, 1.0f, stream);
+  }
+
+  Plan plan(const PlanCapacity& capacity) const {
+    return plan_decode(indptr_host, last_host, kPageSize, kQoHeads, kKvHeads, kHeadDim,
+                       AttentionOptions{}, kGpu, 1, capacity);
+  }
+
+  // run_decode over views of the full buffers (what the graph captures).
+  void run(const Plan& plan, Workspace workspace, cudaStream_t stream) const {
+    PagedKVCache cache;
+    cache.layout = KVLayout::kNHD;
+    cache.k_cache = test::gpu_view(k, DType::kBFloat16, {kNumPages, kPageSize, kKvHeads, kHeadDim},
+                                   {kPageStride, kTokenStride, kHeadDim, 1});
+    cache.v_cache = test::gpu_view(v, DType::kBFloat16, {kNumPages, kPageSize, kKvHeads, kHeadDim},
+                                   {kPageStride, kTokenStride, kHeadDim, 1});
+    cache.page_indptr = test::gpu_index_view(page_indptr, kMaxBatch + 1);
+    cache.page_indices = test::gpu_index_view(page_indices, kNumPages);
+    cache.last_page_len = test::gpu_index_view(last_page_len, kMaxBatch);
+    run_decode(plan,
+               test::gpu_view(q, DType::kBFloat16, {kMaxBatch, kQoHeads, kHeadDim},
+                              {kQRow, kHeadDim, 1}),
+               cache,
+               test::gpu_view(o, DType::kBFloat16, {kMaxBatch, kQoHeads, kHeadDim},
+                              {kQRow, kHeadDim, 1}),
+               test::gpu_view(lse, DType::kFloat32, {kMaxBatch, kQoHeads}, {kQoHeads, 1}),
+               workspace, stream);
+  }
+
+  void poison_outputs(cudaStream_t stream) const {
+    poison(o, stream);
+    poison(lse, stream);
+  }
+
+  // After a replay: downloads the batch's q / o / lse (synchronises), checks for NaN and
+  // compares 9 sampled rows with the oracle. "" when right.
+  std::string check(cudaStream_t stream, std::mt19937_64& rng, const Tolerance& tolerance) {
+    const int32_t batch = static_cast<int32_t>(kv_lens.size());
+    const size_t elements = static_cast<size_t>(batch * kQRow);
+    const size_t entries = static_cast<size_t>(batch) * kQoHeads;
+    copy_to_host(q_check.data(), q, elements * 2, stream);
+    copy_to_host(o_check.data(), o, elements * 2, stream);
+    copy_to_host(lse_check.data(), lse, entries * 4, stream);
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (spot check)");
+    std::string error = scan_for_nan(o_check, elements, lse_check, entries, kQRow);
+    if (!error.empty()) return error;
+
+    detail::AttentionProblem host;
+    host.q_dtype = DType::kBFloat16;
+    host.batch_size = batch;
+    host.num_qo_heads = kQoHeads;
+    host.num_kv_heads = kKvHeads;
+    host.head_dim = kHeadDim;
+    host.q = q_check.data();
+    host.q_stride_token = kQRow;
+    host.q_stride_head = kHeadDim;
+    host.q_extent = batch;
+    host.qo_indptr = nullptr;
+    host.q_per_request = 1;
+    host.kv.dtype = DType::kBFloat16;
+    host.kv.paged = true;
+    host.kv.k = k_host.data();
+    host.kv.v = v_host.data();
+    host.kv.k_stride_token = host.kv.v_stride_token = kTokenStride;
+    host.kv.k_stride_head = host.kv.v_stride_head = kHeadDim;
+    host.kv.k_stride_page = host.kv.v_stride_page = kPageStride;
+    host.kv.page_indptr = indptr_host.data();
+    host.kv.page_indices = indices_host.data();
+    host.kv.last_page_len = last_host.data();
+    host.kv.page_size = kPageSize;
+    host.kv.k_extent = host.kv.v_extent = kNumPages;
+    host.sm_scale = static_cast<float>(1.0 / std::sqrt(double{kHeadDim}));
+    std::vector<detail::ReferenceRow> rows;
+    for (int i = 0; i < 8; ++i) {
+      rows.push_back({test::uniform(rng, 0, batch - 1), 0, test::uniform(rng, 0, kQoHeads - 1)});
+    }
+    rows.push_back({batch - 1, 0, kQoHeads - 1});
+    error = compare_rows(host, rows, o_check, lse_check, tolerance);
+    return error.empty() ? "" : error + " (batch of " + std::to_string(batch) + ")";
+  }
+};
+
+// ---------------------------------------------------------------------------- ragged prefill
+
+struct PrefillSoak {
+  static constexpr int kMaxBatch = 8, kMaxQ = 128, kMaxKv = 1024;
+  static constexpr int kQoHeads = 32, kKvHeads = 8, kHeadDim = 128;
+  static constexpr int kMaxTotalQ = kMaxBatch * kMaxQ, kMaxTotalKv = kMaxBatch * kMaxKv;
+  static constexpr int64_t kQRow = int64_t{kQoHeads} * kHeadDim;
+  static constexpr int64_t kKvRow = int64_t{kKvHeads} * kHeadDim;
+
+  DeviceBuffer k{static_cast<size_t>(kMaxTotalKv * kKvRow) * 2};
+  DeviceBuffer v{static_cast<size_t>(kMaxTotalKv * kKvRow) * 2};
+  DeviceBuffer q{static_cast<size_t>(kMaxTotalQ * kQRow) * 2};
+  DeviceBuffer o{static_cast<size_t>(kMaxTotalQ * kQRow) * 2};
+  DeviceBuffer lse{static_cast<size_t>(kMaxTotalQ) * kQoHeads * 4};
+  DeviceBuffer qo_indptr{static_cast<size_t>(kMaxBatch + 1) * 4};
+  DeviceBuffer kv_indptr{static_cast<size_t>(kMaxBatch + 1) * 4};
+  std::vector<uint16_t> k_host, v_host;
+  std::vector<int32_t> q_lens, kv_lens, qo_host, kv_host;
+  std::vector<uint16_t> q_check, o_check;
+  std::vector<float> lse_check;
+
+  PrefillSoak() {
+    q_lens.reserve(kMaxBatch);
+    kv_lens.reserve(kMaxBatch);
+    qo_host.reserve(kMaxBatch + 1);
+    kv_host.reserve(kMaxBatch + 1);
+    q_check.resize(static_cast<size_t>(kMaxTotalQ * kQRow));
+    o_check.resize(static_cast<size_t>(kMaxTotalQ * kQRow));
+    lse_check.resize(static_cast<size_t>(kMaxTotalQ) * kQoHeads);
+  }
+
+  static AttentionOptions options() {
+    AttentionOptions causal;
+    causal.causal = true;
+    return causal;
+  }
+
+  void fill_kv(uint64_t seed, cudaStream_t stream) {
+    const int64_t count = kMaxTotalKv * kKvRow;
+    detail::cuda_fill_random(k.data(), count, DType::kBFloat16, seed, 1.0f, stream);
+    detail::cuda_fill_random(v.data(), count, DType::kBFloat16, seed + 1, 1.0f, stream);
+    k_host.resize(static_cast<size_t>(count));
+    v_host.resize(static_cast<size_t>(count));
+    copy_to_host(k_host.data(), k, k.bytes(), stream);
+    copy_to_host(v_host.data(), v, v.bytes(), stream);
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (K/V)");
+  }
+
+  void max_lengths() {
+    q_lens.assign(kMaxBatch, kMaxQ);
+    kv_lens.assign(kMaxBatch, kMaxKv);
+  }
+
+  void random_lengths(std::mt19937_64& rng) {
+    const int32_t batch = test::uniform(rng, 1, kMaxBatch);
+    q_lens.resize(static_cast<size_t>(batch));
+    kv_lens.resize(static_cast<size_t>(batch));
+    int32_t total_q = 0;
+    for (int32_t b = 0; b < batch; ++b) {
+      q_lens[b] = test::chance(rng, 0.05) ? 0 : test::uniform(rng, 1, kMaxQ);
+      kv_lens[b] = test::uniform(rng, q_lens[b], kMaxKv);
+      total_q += q_lens[b];
+    }
+    if (total_q == 0) {  // keep at least one query row
+      q_lens[0] = 1;
+      kv_lens[0] = std::max(kv_lens[0], 1);
+    }
+  }
+
+  void write_batch(std::mt19937_64& /*rng*/, uint64_t q_seed, cudaStream_t stream) {
+    const size_t batch = q_lens.size();
+    qo_host.resize(batch + 1);
+    kv_host.resize(batch + 1);
+    qo_host[0] = kv_host[0] = 0;
+    for (size_t b = 0; b < batch; ++b) {
+      qo_host[b + 1] = qo_host[b] + q_lens[b];
+      kv_host[b + 1] = kv_host[b] + kv_lens[b];
+    }
+    copy_to_device(qo_indptr, qo_host.data(), qo_host.size() * 4, stream);
+    copy_to_device(kv_indptr, kv_host.data(), kv_host.size() * 4, stream);
+    detail::cuda_fill_random(q.data(), qo_host[batch] * kQRow, DType::kBFloat16, q_seed, 1.0f,
+                             stream);
+  }
+
+  Plan plan(const PlanCapacity& capacity) const {
+    return plan_ragged_prefill(qo_host, kv_host, kQoHeads, kKvHeads, kHeadDim, options(), kGpu,
+                               capacity);
+  }
+
+  void run(const Plan& plan, Workspace workspace, cudaStream_t stream) const {
+    const auto view3 = [](const DeviceBuffer& buffer, int64_t rows, int heads) {
+      return test::gpu_view(buffer, DType::kBFloat16, {rows, heads, kHeadDim},
+                            {int64_t{heads} * kHeadDim, kHeadDim, 1});
+    };
+    run_ragged_prefill(plan, view3(q, kMaxTotalQ, kQoHeads), view3(k, kMaxTotalKv, kKvHeads),
+                       view3(v, kMaxTotalKv, kKvHeads),
+                       test::gpu_index_view(qo_indptr, kMaxBatch + 1),
+                       test::gpu_index_view(kv_indptr, kMaxBatch + 1),
+                       view3(o, kMaxTotalQ, kQoHeads),
+                       test::gpu_view(lse, DType::kFloat32, {kMaxTotalQ, kQoHeads}, {kQoHeads, 1}),
+                       workspace, stream);
+  }
+
+  void poison_outputs(cudaStream_t stream) const {
+    poison(o, stream);
+    poison(lse, stream);
+  }
+
+  std::string check(cudaStream_t stream, std::mt19937_64& rng, const Tolerance& tolerance) {
+    const int32_t batch = static_cast<int32_t>(q_lens.size());
+    const int32_t total_q = qo_host[batch];
+    const size_t elements = static_cast<size_t>(total_q * kQRow);
+    const size_t entries = static_cast<size_t>(total_q) * kQoHeads;
+    copy_to_host(q_check.data(), q, elements * 2, stream);
+    copy_to_host(o_check.data(), o, elements * 2, stream);
+    copy_to_host(lse_check.data(), lse, entries * 4, stream);
+    cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (spot check)");
+    std::string error = scan_for_nan(o_check, elements, lse_check, entries, kQRow);
+    if (!error.empty()) return error;
+
+    detail::AttentionProblem host;
+    host.q_dtype = DType::kBFloat16;
+    host.batch_size = batch;
+    host.num_qo_heads = kQoHeads;
+    host.num_kv_heads = kKvHeads;
+    host.head_dim = kHeadDim;
+    host.q = q_check.data();
+    host.q_stride_token = kQRow;
+    host.q_stride_head = kHeadDim;
+    host.q_extent = total_q;
+    host.qo_indptr = qo_host.data();
+    host.kv.dtype = DType::kBFloat16;
+    host.kv.paged = false;
+    host.kv.k = k_host.data();
+    host.kv.v = v_host.data();
+    host.kv.k_stride_token = host.kv.v_stride_token = kKvRow;
+    host.kv.k_stride_head = host.kv.v_stride_head = kHeadDim;
+    host.kv.kv_indptr = kv_host.data();
+    host.kv.k_extent = host.kv.v_extent = kMaxTotalKv;
+    host.sm_scale = static_cast<float>(1.0 / std::sqrt(double{kHeadDim}));
+    host.mask.causal = true;
+    // Tokens of the batch; the request of a token from qo_indptr (empty requests own none).
+    const auto row_of_token = [&](int32_t token, int32_t head) {
+      const int32_t b = static_cast<int32_t>(
+          std::upper_bound(qo_host.begin(), qo_host.end(), token) - qo_host.begin() - 1);
+      return detail::ReferenceRow{b, token - qo_host[b], head};
+    };
+    std::vector<detail::ReferenceRow> rows;
+    for (int i = 0; i < 8; ++i) {
+      rows.push_back(row_of_token(test::uniform(rng, 0, total_q - 1),
+                                  test::uniform(rng, 0, kQoHeads - 1)));
+    }
+    rows.push_back(row_of_token(total_q - 1, kQoHeads - 1));
+    error = compare_rows(host, rows, o_check, lse_check, tolerance);
+    return error.empty() ? "" : error + " (batch of " + std::to_string(batch) + ", " +
+                                    std::to_string(total_q) + " query tokens)";
+  }
+};
+
+// ---------------------------------------------------------------------------- the soak
+
+// One captured graph: its capacity, workspace and counters.
+struct GraphSlot {
+  const char* name = "";
+  PlanCapacity capacity;
+  size_t workspace_bytes = 0;
+  std::unique_ptr<DeviceBuffer> workspace;
+  Graph graph;
+  long long cycles = 0, split_plans = 0, checks_ok = 0, checks_failed = 0;
+  bool check_pending = true;
+
+  Workspace ws() const { return Workspace{workspace->data(), workspace->bytes()}; }
+};
+
+struct Counters {
+  long long errors = 0, checks_ok = 0, checks_failed = 0;
+};
+
+void report_problem(const char* what, const std::string& message, long long count) {
+  constexpr long long kPrinted = 10;
+  if (count <= kPrinted) std::printf("soak: %s: %s\n", what, message.c_str());
+  if (count == kPrinted) std::printf("soak: (further %ss not printed)\n", what);
+}
+
+// One cycle of `slot`: the current lengths of `workload` (drawn by the caller) written to the
+// device, planned, uploaded, replayed; checked when `check`. Throws on errors.
+template <class Workload>
+void run_cycle(Workload& workload, GraphSlot& slot, std::mt19937_64& rng, uint64_t q_seed,
+               bool check, const Tolerance& tolerance, cudaStream_t stream, Counters& counters) {
+  workload.write_batch(rng, q_seed, stream);
+  Plan plan = workload.plan(slot.capacity);
+  if (plan.workspace_bytes != slot.workspace_bytes) {
+    throw std::runtime_error(std::string(slot.name) + ": a plan of the graph's capacity needs " +
+                             std::to_string(plan.workspace_bytes) +
+                             " workspace bytes, the graph's " +
+                             std::to_string(slot.workspace_bytes));
+  }
+  slot.split_plans += !plan.merges.empty();
+  upload_plan(plan, slot.ws(), stream);
+  if (check) workload.poison_outputs(stream);
+  cuda_check(cudaGraphLaunch(slot.graph.exec, stream), "cudaGraphLaunch");
+  cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (after replay)");
+  ++slot.cycles;
+  if (!check) return;
+  slot.check_pending = false;
+  const std::string error = workload.check(stream, rng, tolerance);
+  if (error.empty()) {
+    ++slot.checks_ok;
+    ++counters.checks_ok;
+  } else {
+    ++slot.checks_failed;
+    ++counters.checks_failed;
+    report_problem("spot check FAILED", std::string(slot.name) + ": " + error,
+                   counters.checks_failed);
+  }
+}
+
+// Plans the largest batch with the slot's capacity, runs it once outside the capture (one-time
+// per-device kernel setup), captures run_*() into the slot's graph and replays it once, checked.
+template <class Workload>
+void capture(Workload& workload, GraphSlot& slot, std::mt19937_64& rng, uint64_t q_seed,
+             const Tolerance& tolerance, cudaStream_t stream, Counters& counters) {
+  workload.max_lengths();
+  workload.write_batch(rng, q_seed, stream);
+  Plan max_plan = workload.plan(slot.capacity);
+  slot.workspace_bytes = max_plan.workspace_bytes;
+  slot.workspace = std::make_unique<DeviceBuffer>(std::max<size_t>(max_plan.workspace_bytes, 16));
+  upload_plan(max_plan, slot.ws(), stream);
+  workload.run(max_plan, slot.ws(), stream);
+  cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (run before capture)");
+  upload_plan(max_plan, slot.ws(), stream);
+  cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (upload before capture)");
+  cuda_check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal),
+             "cudaStreamBeginCapture");
+  try {
+    workload.run(max_plan, slot.ws(), stream);
+  } catch (...) {
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(stream, &broken);
+    if (broken != nullptr) cudaGraphDestroy(broken);
+    throw;
+  }
+  cuda_check(cudaStreamEndCapture(stream, &slot.graph.graph), "cudaStreamEndCapture");
+  cuda_check(cudaGraphInstantiate(&slot.graph.exec, slot.graph.graph, 0), "cudaGraphInstantiate");
+  // The captured plan itself, replayed and checked (not counted as a soak cycle).
+  const long long failed_before = counters.checks_failed;
+  run_cycle(workload, slot, rng, q_seed + 1, /*check=*/true, tolerance, stream, counters);
+  slot.cycles = 0;
+  slot.split_plans = 0;
+  slot.check_pending = true;
+  std::printf("soak: %s graph captured: workspace %zu B, max-batch plan %zu work items, %zu "
+              "merges, replay check %s\n",
+              slot.name, slot.workspace_bytes, max_plan.work.size(), max_plan.merges.size(),
+              counters.checks_failed == failed_before ? "ok" : "FAILED");
+}
+
+struct MemorySample {
+  long long device = 0;  // bytes in use on the device
+  long long rss = 0;     // host resident bytes
+};
+
+MemorySample sample_memory() { return MemorySample{device_used_bytes(), host_rss_bytes()}; }
+
+int soak_main(long long cycles) {
+  if (detail::cuda_device_count_or_zero() == 0) {
+    std::printf("soak_cuda_graph: no CUDA device: soak skipped\n");
+    return 0;
+  }
+  const long long check_every = std::max(1LL, env_count("TESSERA_SOAK_CHECK_EVERY", 1000));
+  const long long rss_slack = env_count("TESSERA_SOAK_RSS_SLACK_KIB", 1024) * 1024;
+  const long long device_slack = env_count("TESSERA_SOAK_DEVICE_SLACK_BYTES", 0);
+  const uint64_t seed = static_cast<uint64_t>(env_count(
+      "TESSERA_SOAK_SEED", static_cast<long long>(test::seed_from_env(20251207ull))));
+  const long long warmup = std::min(cycles, std::max(200LL, cycles / 100));
+  test::AttentionCase bf16_case;
+  bf16_case.q_dtype = bf16_case.kv_dtype = DType::kBFloat16;
+  const Tolerance tolerance{test::default_tolerance(bf16_case),
+                            test::default_lse_tolerance(bf16_case)};
+
+  const auto start = std::chrono::steady_clock::now();
+  const auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  Counters counters;
+  std::mt19937_64 rng(seed);
+  long long done = 0;
+  bool fatal = false;
+  MemorySample warm{}, last{};
+  long long peak_device_growth = 0, peak_rss_growth = 0;
+
+  try {
+    const detail::CudaDeviceInfo& info = detail::cuda_device_info(0);
+    std::printf("soak: device %s (sm_%d%d, %d SMs); %lld cycles (decode balanced / deterministic "
+                "and ragged prefill every 10th), spot check every %lld cycles per graph, "
+                "warm-up %lld cycles, seed %llu\n",
+                info.name.c_str(), info.sm_major, info.sm_minor, info.num_sms, cycles,
+                check_every, warmup, static_cast<unsigned long long>(seed));
+    std::printf("soak: limits: device memory growth <= %lld B, host RSS growth <= %lld KiB; "
+                "tolerance: row relative L2 < %.3g, |lse error| <= %.3g\n",
+                device_slack, rss_slack / 1024, tolerance.o, tolerance.lse);
+    std::printf("soak: before setup: device used %lld B, host RSS %lld KiB\n",
+                device_used_bytes(), host_rss_bytes() / 1024);
+
+    Stream stream;
+    const cudaStream_t s = stream.get();
+    DecodeSoak decode;
+    PrefillSoak prefill;
+    decode.fill_pool(seed * 7 + 1, s);
+    prefill.fill_kv(seed * 7 + 3, s);
+
+    using D = DecodeSoak;
+    using P = PrefillSoak;
+    GraphSlot balanced, deterministic, ragged;
+    balanced.name = "decode (balanced)";
+    balanced.capacity = plan_capacity(AttentionOp::kDecode, D::kMaxBatch, D::kMaxBatch, D::kMaxKv,
+                                      D::kQoHeads, D::kKvHeads, D::kHeadDim, kGpu, false);
+    deterministic.name = "decode (deterministic)";
+    deterministic.capacity =
+        plan_capacity(AttentionOp::kDecode, D::kMaxBatch, D::kMaxBatch, D::kMaxKv, D::kQoHeads,
+                      D::kKvHeads, D::kHeadDim, kGpu, true);
+    ragged.name = "ragged prefill";
+    ragged.capacity = plan_capacity(AttentionOp::kRaggedPrefill, P::kMaxBatch, P::kMaxTotalQ,
+                                    P::kMaxKv, P::kQoHeads, P::kKvHeads, P::kHeadDim, kGpu, false);
+    uint64_t q_seed = seed * 1000003ull;
+    capture(decode, balanced, rng, q_seed += 2, tolerance, s, counters);
+    capture(decode, deterministic, rng, q_seed += 2, tolerance, s, counters);
+    capture(prefill, ragged, rng, q_seed += 2, tolerance, s, counters);
+    std::printf("soak: setup done after %.1f s: device used %lld B, host RSS %lld KiB\n",
+                elapsed(), device_used_bytes(), host_rss_bytes() / 1024);
+
+    const auto soak_start = elapsed();
+    int next_mark = 1;
+    for (long long cycle = 0; cycle < cycles && !fatal; ++cycle) {
+      if (cycle % check_every == 0) {
+        balanced.check_pending = deterministic.check_pending = ragged.check_pending = true;
+      }
+      const bool is_prefill = cycle % 10 == 9;
+      GraphSlot& slot = is_prefill ? ragged : (cycle % 2 == 0 ? balanced : deterministic);
+      try {
+        if (is_prefill) {
+          prefill.random_lengths(rng);
+          run_cycle(prefill, slot, rng, ++q_seed, slot.check_pending, tolerance, s, counters);
+        } else {
+          decode.random_lengths(rng);
+          run_cycle(decode, slot, rng, ++q_seed, slot.check_pending, tolerance, s, counters);
+        }
+      } catch (const CudaFailure& e) {
+        ++counters.errors;
+        report_problem("ERROR", "cycle " + std::to_string(cycle) + " (" + slot.name + "): " +
+                                    e.what(), counters.errors);
+        fatal = true;  // a CUDA error may leave the context unusable
+      } catch (const std::exception& e) {
+        ++counters.errors;
+        report_problem("ERROR", "cycle " + std::to_string(cycle) + " (" + slot.name + "): " +
+                                    e.what(), counters.errors);
+        // Go on after a host-side error while the device is healthy; stop after 100.
+        if (cudaStreamSynchronize(s) != cudaSuccess || counters.errors >= 100) fatal = true;
+      }
+      ++done;
+      if (done == warmup) {
+        warm = sample_memory();
+        std::printf("soak: warm-up done (%lld cycles, %.1f s): device used %lld B, host RSS %lld "
+                    "KiB (the baseline)\n",
+                    done, elapsed(), warm.device, warm.rss / 1024);
+      }
+      while (next_mark <= 10 && done >= cycles * next_mark / 10) {
+        last = sample_memory();
+        if (done >= warmup) {
+          peak_device_growth = std::max(peak_device_growth, last.device - warm.device);
+          peak_rss_growth = std::max(peak_rss_growth, last.rss - warm.rss);
+        }
+        std::printf("soak: %3d%% %lld/%lld cycles, %.1f s: device used %lld B (%+lld B), host RSS "
+                    "%lld KiB (%+lld KiB), %lld errors, %lld spot checks ok, %lld failed\n",
+                    next_mark * 10, done, cycles, elapsed(), last.device,
+                    done >= warmup ? last.device - warm.device : 0, last.rss / 1024,
+                    done >= warmup ? (last.rss - warm.rss) / 1024 : 0, counters.errors,
+                    counters.checks_ok, counters.checks_failed);
+        ++next_mark;
+      }
+    }
+    if (!fatal) {
+      cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize (end)");
+      last = sample_memory();
+    }
+    const double soak_seconds = elapsed() - soak_start;
+    for (const GraphSlot* slot : {&balanced, &deterministic, &ragged}) {
+      std::printf("soak: %s: %lld cycles (%lld with split-KV merges), %lld spot checks ok, %lld "
+                  "failed\n",
+                  slot->name, slot->cycles, slot->split_plans, slot->checks_ok,
+                  slot->checks_failed);
+    }
+    if (done > 0) {
+      std::printf("soak: %.1f s for the cycles, %.1f us per cycle (plan + upload + replay + "
+                  "synchronise)\n",
+                  soak_seconds, 1e6 * soak_seconds / static_cast<double>(done));
+    }
+  } catch (const std::exception& e) {
+    ++counters.errors;
+    std::printf("soak: ERROR (setup or teardown): %s\n", e.what());
+    fatal = true;
+  }
+
+  const long long device_growth = done >= warmup && warmup > 0 ? last.device - warm.device : 0;
+  const long long rss_growth = done >= warmup && warmup > 0 ? last.rss - warm.rss : 0;
+  peak_device_growth = std::max(peak_device_growth, device_growth);
+  peak_rss_growth = std::max(peak_rss_growth, rss_growth);
+  std::printf("soak: memory, end vs warm-up: device %+lld B (peak at a 10%% mark %+lld B), host "
+              "RSS %+lld KiB (peak %+lld KiB)\n",
+              device_growth, peak_device_growth, rss_growth / 1024, peak_rss_growth / 1024);
+  std::string failures;
+  const auto fail = [&](const std::string& why) {
+    failures += (failures.empty() ? "" : "; ") + why;
+  };
+  if (counters.errors > 0) fail(std::to_string(counters.errors) + " errors");
+  if (fatal && done < cycles) {
+    fail("stopped after " + std::to_string(done) + " of " + std::to_string(cycles) + " cycles");
+  }
+  if (counters.checks_failed > 0) {
+    fail(std::to_string(counters.checks_failed) + " spot checks failed");
+  }
+  if (device_growth > device_slack) {
+    fail("device memory grew by " + std::to_string(device_growth) + " B (limit " +
+         std::to_string(device_slack) + ")");
+  }
+  if (rss_growth > rss_slack) {
+    fail("host RSS grew by " + std::to_string(rss_growth / 1024) + " KiB (limit " +
+         std::to_string(rss_slack / 1024) + ")");
+  }
+  std::printf("soak: %lld cycles, %lld errors, %lld spot checks ok, device memory %+lld B, host "
+              "RSS %+lld KiB, %.1f s\n",
+              done, counters.errors, counters.checks_ok, device_growth, rss_growth / 1024,
+              elapsed());
+  if (failures.empty()) {
+    std::printf("soak: PASS\n");
+    return 0;
+  }
+  std::printf("soak: FAIL (%s)\n", failures.c_str());
+  return 1;
+}
+
+#endif  // TESSERA_HAVE_CUDA
+
+}  // namespace
+}  // namespace tessera::soak
+
+int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach a log even if killed
+  long long cycles = tessera::soak::env_count("TESSERA_SOAK_CYCLES", 100000);
+  if (argc > 2 || (argc == 2 && (std::string(argv[1]) == "-h" ||
+                                 std::string(argv[1]) == "--help"))) {
+    std::printf("usage: soak_cuda_graph [CYCLES]   (default $TESSERA_SOAK_CYCLES, else 100000)\n"
+                "See the header of tests/soak_cuda_graph.cpp for the environment knobs.\n");
+    return argc > 2 ? 2 : 0;
+  }
+  if (argc == 2) {
+    char* end = nullptr;
+    cycles = std::strtoll(argv[1], &end, 10);
+    if (end == argv[1] || *end != '\0' || cycles <= 0) {
+      std::fprintf(stderr, "soak_cuda_graph: CYCLES must be a positive integer, got '%s'\n",
+                   argv[1]);
+      return 2;
+    }
+  }
+  if (cycles <= 0) cycles = 100000;
+  // Pin malloc's mmap threshold (see the header): big transient blocks go back to the OS.
+  mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+#if defined(TESSERA_HAVE_CUDA)
+  try {
+    return tessera::soak::soak_main(cycles);
+  } catch (const std::exception& e) {
+    std::printf("soak: ERROR: %s\nsoak: FAIL\n", e.what());
+    return 1;
+  }
+#else
+  (void)tessera::soak::host_rss_bytes;
+  std::printf("soak_cuda_graph: built without the CUDA backend: soak skipped (%lld cycles "
+              "requested)\n",
+              cycles);
+  return 0;
+#endif
+}
