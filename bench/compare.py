@@ -85,8 +85,9 @@ def main():
             continue
         skewed = (case.get("first_q_len", case["q_len"]) != case["q_len"] or
                   case.get("first_kv_len", case["kv_len"]) != case["kv_len"])
-        if skewed or case.get("checked", 0):
-            # SDPA takes one length per batch (skewed) and has no checked mode: tessera only.
+        if skewed or case.get("checked", 0) or case.get("graph", 0):
+            # SDPA takes one length per batch (skewed), has no checked mode, and is not timed
+            # in a graph here: tessera only.
             unit = 2 if case["op"] == "decode" else 1
             print(f"{case['name']:44s} {case['rate']:>9.{unit}f}   (tessera only)")
             continue

@@ -76,10 +76,17 @@ inline std::string plan_violation(const PlanShape& shape, const Plan& plan) {
   }
   int64_t rows_seen = 0;
   std::unordered_map<int32_t, const WorkItem*> by_partial_row;
+  std::vector<int32_t> pieces_of_merge(plan.merges.size(), 0);
   for (const WorkItem& w : plan.work) {
     if (w.partial_row >= 0 && !by_partial_row.emplace(w.partial_row, &w).second) {
       return "two work items write the same partial row";
     }
+    if ((w.partial_row < 0) != (w.merge_index < 0)) return "partial row without merge index";
+    if (w.merge_index >= static_cast<int32_t>(plan.merges.size())) return "merge index out of range";
+    if (w.merge_index >= 0) ++pieces_of_merge[w.merge_index];
+  }
+  for (size_t m = 0; m < plan.merges.size(); ++m) {
+    if (pieces_of_merge[m] != plan.merges[m].num_splits) return "merge index count mismatch";
   }
   for (const MergeItem& merge : plan.merges) {
     const int rows = merge.q_len * group;

@@ -101,15 +101,23 @@ void check_plan(const PlanShape& shape, const Plan& plan) {
   }
   // Split bookkeeping: each merge's pieces exist with consecutive partial rows.
   int64_t rows_seen = 0;
-  for (const MergeItem& merge : plan.merges) {
+  for (const WorkItem& w : plan.work) {
+    ASSERT_EQ(w.partial_row < 0, w.merge_index < 0) << "a piece has a partial row iff a merge";
+    ASSERT_LT(w.merge_index, static_cast<int32_t>(plan.merges.size()));
+  }
+  for (size_t m = 0; m < plan.merges.size(); ++m) {
+    const MergeItem& merge = plan.merges[m];
     const int rows = merge.q_len * group;
     ASSERT_GE(merge.num_splits, 2);
+    const auto pieces_of_merge = std::count_if(plan.work.begin(), plan.work.end(),
+        [&](const WorkItem& w) { return w.merge_index == static_cast<int32_t>(m); });
+    ASSERT_EQ(pieces_of_merge, merge.num_splits) << "merge_index counts of merge " << m;
     for (int s = 0; s < merge.num_splits; ++s) {
       const int32_t row = merge.first_partial_row + s * rows;
       const bool found = std::any_of(plan.work.begin(), plan.work.end(), [&](const WorkItem& w) {
         return w.partial_row == row && w.request == merge.request &&
                w.kv_head == merge.kv_head && w.q_start == merge.q_start &&
-               w.q_len == merge.q_len;
+               w.q_len == merge.q_len && w.merge_index == static_cast<int32_t>(m);
       });
       ASSERT_TRUE(found) << "missing piece " << s << " of a split tile";
     }

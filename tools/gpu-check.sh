@@ -7,7 +7,7 @@
 # torch SDPA, and the Python GPU tests, writing logs into OUT_DIR (at most 8 files come back).
 # Every binary runs under `timeout` so a hung kernel costs minutes, not the whole call.
 # Environment: TESSERA_SKIP_TESTS=1, TESSERA_SKIP_SANITIZER=1, TESSERA_SKIP_BENCH=1,
-# TESSERA_SKIP_PYTHON=1, TESSERA_TEST_FILTER (gtest filter for the test binaries),
+# TESSERA_SKIP_PYTHON=1, TESSERA_SKIP_SM80_BENCH=1 (no sm80 side-by-side bench), TESSERA_TEST_FILTER (gtest filter for the test binaries),
 # TESSERA_TESTS (space-separated binary names, default all), TESSERA_BENCH_ARGS,
 # TESSERA_TIMEOUT (seconds per binary, default 300).
 # Soak (optional, off by default so the usual run keeps its length): TESSERA_SOAK_CYCLES=N runs
@@ -103,13 +103,15 @@ if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
   timeout 900 "$build/tessera" bench --quiet --json "$out/bench.json" ${TESSERA_BENCH_ARGS:-} \
     >"$out/bench.log" 2>&1 || status=1
   cat "$out/bench.log"
-  echo "--- the same prefill shapes on the portable sm80 kernels (TESSERA_PREFILL_KERNEL=sm80)" \
-    >>"$out/bench.log"
-  TESSERA_PREFILL_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter prefill \
-    >>"$out/bench.log" 2>&1 || status=1
-  echo "--- decode on the sm80 decode kernels (TESSERA_DECODE_KERNEL=sm80)" >>"$out/bench.log"
-  TESSERA_DECODE_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter decode \
-    >>"$out/bench.log" 2>&1 || status=1
+  if [ "${TESSERA_SKIP_SM80_BENCH:-0}" != 1 ]; then
+    echo "--- the same prefill shapes on the portable sm80 kernels (TESSERA_PREFILL_KERNEL=sm80)" \
+      >>"$out/bench.log"
+    TESSERA_PREFILL_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter prefill \
+      >>"$out/bench.log" 2>&1 || status=1
+    echo "--- decode on the sm80 decode kernels (TESSERA_DECODE_KERNEL=sm80)" >>"$out/bench.log"
+    TESSERA_DECODE_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter decode \
+      >>"$out/bench.log" 2>&1 || status=1
+  fi
   PYTHONUNBUFFERED=1 timeout 900 python3 "$root/bench/compare.py" "$out/bench.json" \
     --out "$out/compare.json" --png "$out/compare.png" >"$out/compare.log" 2>&1 || status=1
   cat "$out/compare.log"

@@ -59,7 +59,9 @@ const char* op_name(AttentionOp op);
 // One unit of work: query rows [q_start, q_start + q_len) of `request` for every query head of
 // kv head `kv_head`'s group, against keys [kv_start, kv_end) of that request. When the key range
 // of a (request, kv_head, q tile) is split, each piece writes a float32 partial (o, lse) at row
-// `partial_row` of the workspace and a MergeItem combines them; otherwise partial_row = -1.
+// `partial_row` of the workspace and the MergeItem at index `merge_index` of Plan::merges
+// combines them (the CUDA decode kernels merge through that index: a hand-built plan must set
+// it); otherwise partial_row = merge_index = -1.
 struct WorkItem {
   int32_t request;
   int32_t kv_head;
@@ -68,6 +70,7 @@ struct WorkItem {
   int32_t kv_start;
   int32_t kv_end;
   int32_t partial_row;
+  int32_t merge_index = -1;
 };
 
 // Combines `num_splits` partials of a (request, kv_head, q tile) into the output. The partial

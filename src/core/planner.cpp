@@ -140,82 +140,130 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
     }
   }
 
-  // 2. Split-KV: a tile costing more than a fair share of the work is cut into key chunks.
-  //    Deterministic mode cuts at fixed absolute key positions (multiples of min_kv_chunk), so
-  //    the arithmetic of a row never depends on what else is in the batch.
+  // 2. Split-KV. Deterministic mode cuts at fixed absolute key positions (multiples of
+  //    min_kv_chunk), so the arithmetic of a row never depends on what else is in the batch.
+  //    Otherwise a tile costing more than a target piece cost is cut into about cost / target
+  //    equal pieces, for a few targets around the fair share (total / workers); each candidate
+  //    is scheduled (step 3) and the one with the shortest busiest worker wins (ties: the
+  //    fewer pieces). Rounding the piece count to the nearest integer rather than up matters for
+  //    uniform batches: 128 tiles of 2.06 fair shares on 264 workers make 256 pieces of 1.03
+  //    (one per worker) instead of 384 of 0.69 (two on some workers, 1.37).
   const double fair_share = total_cost / config.num_workers;
+  struct SplitPolicy {
+    double target = 0;  // piece cost aimed at
+    bool round_up = true;
+  };
+  std::vector<SplitPolicy> policies;
+  if (!config.split_kv || config.deterministic) {
+    policies.push_back({fair_share, true});
+  } else {
+    policies = {{fair_share, true}, {fair_share, false}, {fair_share / 2, false},
+                {fair_share / 3, false}};
+  }
+  struct Candidate {
+    std::vector<WorkItem> work;
+    std::vector<double> costs;
+    std::vector<MergeItem> merges;
+    int64_t partial_rows = 0;
+    std::vector<int32_t> owner;  // worker of each item
+    std::vector<int32_t> order;  // items, longest first
+    std::vector<double> worker_cost;
+    double makespan = 0;
+  };
+  const auto split_and_schedule = [&](const SplitPolicy& policy) {
+    Candidate c;
+    for (size_t i = 0; i < tiles.size(); ++i) {
+      const WorkItem& tile = tiles[i];
+      const int32_t range = tile.kv_end - tile.kv_start;
+      int32_t chunk = range;
+      if (config.split_kv && range > config.min_kv_chunk) {
+        if (config.deterministic) {
+          chunk = config.min_kv_chunk;
+        } else if (tile_costs[i] > policy.target) {
+          const double ratio = tile_costs[i] / policy.target;
+          const int32_t by_cost = static_cast<int32_t>(policy.round_up ? std::ceil(ratio)
+                                                                       : std::round(ratio));
+          const int32_t by_size = ceil_div(range, config.min_kv_chunk);
+          const int32_t pieces = std::max(1, std::min(by_cost, by_size));
+          chunk = ceil_div(ceil_div(range, pieces), kSplitAlignment) * kSplitAlignment;
+          chunk = std::max(chunk, config.min_kv_chunk);
+        }
+      }
+      std::vector<WorkItem> pieces;
+      if (chunk >= range) {
+        pieces.push_back(tile);
+      } else {
+        // Deterministic: boundaries at absolute multiples of chunk; otherwise from kv_start.
+        int32_t start = tile.kv_start;
+        while (start < tile.kv_end) {
+          int32_t end = config.deterministic ? (start / chunk + 1) * chunk : start + chunk;
+          end = std::min(end, tile.kv_end);
+          WorkItem piece = tile;
+          piece.kv_start = start;
+          piece.kv_end = end;
+          pieces.push_back(piece);
+          start = end;
+        }
+      }
+      if (pieces.size() > 1) {
+        const int32_t rows = tile.q_len * group;
+        MergeItem merge{tile.request, tile.kv_head, tile.q_start, tile.q_len,
+                        static_cast<int32_t>(c.partial_rows), static_cast<int32_t>(pieces.size())};
+        for (size_t p = 0; p < pieces.size(); ++p) {
+          pieces[p].partial_row = static_cast<int32_t>(c.partial_rows + p * rows);
+          pieces[p].merge_index = static_cast<int32_t>(c.merges.size());
+        }
+        c.partial_rows += static_cast<int64_t>(rows) * pieces.size();
+        c.merges.push_back(merge);
+      }
+      for (const WorkItem& piece : pieces) {
+        const int32_t b = piece.request;
+        c.work.push_back(piece);
+        c.costs.push_back(pieces.size() == 1 ? tile_costs[i]
+                                             : work_item_cost(piece, mask, shape.q_lens[b],
+                                                              shape.kv_lens[b], group));
+      }
+    }
+    // 3. LPT: longest item first onto the least-loaded worker (ties: lowest index), so the plan
+    //    is deterministic and the most expensive items start first.
+    c.order.resize(c.work.size());
+    for (size_t i = 0; i < c.order.size(); ++i) c.order[i] = static_cast<int32_t>(i);
+    std::stable_sort(c.order.begin(), c.order.end(),
+                     [&](int32_t a, int32_t b) { return c.costs[a] > c.costs[b]; });
+    using Load = std::pair<double, int32_t>;
+    std::priority_queue<Load, std::vector<Load>, std::greater<Load>> loads;
+    for (int32_t w = 0; w < config.num_workers; ++w) loads.push({0.0, w});
+    c.owner.resize(c.work.size());
+    c.worker_cost.assign(config.num_workers, 0.0);
+    for (int32_t index : c.order) {
+      auto [load, worker] = loads.top();
+      loads.pop();
+      c.owner[index] = worker;
+      c.worker_cost[worker] = load + c.costs[index];
+      loads.push({c.worker_cost[worker], worker});
+    }
+    c.makespan = c.worker_cost.empty()
+                     ? 0.0
+                     : *std::max_element(c.worker_cost.begin(), c.worker_cost.end());
+    return c;
+  };
+  Candidate best = split_and_schedule(policies[0]);
+  for (size_t p = 1; p < policies.size(); ++p) {
+    Candidate other = split_and_schedule(policies[p]);
+    // A relative margin so that rounding noise never trades balance for more pieces.
+    if (other.makespan < best.makespan * (1.0 - 1e-9) ||
+        (other.makespan <= best.makespan * (1.0 + 1e-9) && other.work.size() < best.work.size())) {
+      best = std::move(other);
+    }
+  }
   std::vector<WorkItem>& work = plan.work;
-  std::vector<double> costs;
-  int64_t partial_rows = 0;
-  for (size_t i = 0; i < tiles.size(); ++i) {
-    const WorkItem& tile = tiles[i];
-    const int32_t range = tile.kv_end - tile.kv_start;
-    int32_t chunk = range;
-    if (config.split_kv && range > config.min_kv_chunk) {
-      if (config.deterministic) {
-        chunk = config.min_kv_chunk;
-      } else if (tile_costs[i] > fair_share) {
-        const int32_t by_cost = static_cast<int32_t>(std::ceil(tile_costs[i] / fair_share));
-        const int32_t by_size = ceil_div(range, config.min_kv_chunk);
-        const int32_t pieces = std::max(1, std::min(by_cost, by_size));
-        chunk = ceil_div(ceil_div(range, pieces), kSplitAlignment) * kSplitAlignment;
-        chunk = std::max(chunk, config.min_kv_chunk);
-      }
-    }
-    std::vector<WorkItem> pieces;
-    if (chunk >= range) {
-      pieces.push_back(tile);
-    } else {
-      // Deterministic: boundaries at absolute multiples of chunk; otherwise from kv_start.
-      int32_t start = tile.kv_start;
-      while (start < tile.kv_end) {
-        int32_t end = config.deterministic ? (start / chunk + 1) * chunk : start + chunk;
-        end = std::min(end, tile.kv_end);
-        WorkItem piece = tile;
-        piece.kv_start = start;
-        piece.kv_end = end;
-        pieces.push_back(piece);
-        start = end;
-      }
-    }
-    if (pieces.size() > 1) {
-      const int32_t rows = tile.q_len * group;
-      MergeItem merge{tile.request, tile.kv_head, tile.q_start, tile.q_len,
-                      static_cast<int32_t>(partial_rows), static_cast<int32_t>(pieces.size())};
-      for (size_t s = 0; s < pieces.size(); ++s) {
-        pieces[s].partial_row = static_cast<int32_t>(partial_rows + s * rows);
-      }
-      partial_rows += static_cast<int64_t>(rows) * pieces.size();
-      plan.merges.push_back(merge);
-    }
-    for (const WorkItem& piece : pieces) {
-      const int32_t b = piece.request;
-      work.push_back(piece);
-      costs.push_back(pieces.size() == 1 ? tile_costs[i]
-                                         : work_item_cost(piece, mask, shape.q_lens[b],
-                                                          shape.kv_lens[b], group));
-    }
-  }
-  plan.num_partial_rows = partial_rows;
+  work = std::move(best.work);
+  plan.merges = std::move(best.merges);
+  plan.num_partial_rows = best.partial_rows;
+  const std::vector<int32_t>& order = best.order;
+  const std::vector<int32_t>& owner = best.owner;
+  const std::vector<double>& worker_cost = best.worker_cost;
 
-  // 3. LPT: longest item first onto the least-loaded worker (ties: lowest index), so the plan is
-  //    deterministic and the most expensive items start first.
-  std::vector<int32_t> order(work.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int32_t a, int32_t b) { return costs[a] > costs[b]; });
-  using Load = std::pair<double, int32_t>;
-  std::priority_queue<Load, std::vector<Load>, std::greater<Load>> loads;
-  for (int32_t w = 0; w < config.num_workers; ++w) loads.push({0.0, w});
-  std::vector<int32_t> owner(work.size());
-  std::vector<double> worker_cost(config.num_workers, 0.0);
-  for (int32_t index : order) {
-    auto [load, worker] = loads.top();
-    loads.pop();
-    owner[index] = worker;
-    worker_cost[worker] = load + costs[index];
-    loads.push({worker_cost[worker], worker});
-  }
   // Group by worker, keeping each worker's items in longest-first order.
   std::vector<int32_t> count(config.num_workers + 1, 0);
   for (int32_t index : order) ++count[owner[index] + 1];

@@ -5,6 +5,7 @@
 //   [partial lse: partial_rows float32]               (natural log)
 //   --- GPU plans only: the plan's lists, uploaded by upload_plan() or run() ---
 //   [header: PlanHeader]
+//   [merge counters: int32 x merge slots]            (zero after every upload and every run)
 //   [worker_indptr: int32 x (num_workers + 1)]
 //   [merges: MergeItem x merge slots]
 //   [work items: WorkItem x work slots]
@@ -39,6 +40,7 @@ struct WorkspaceLayout {
   size_t partial_o = 0;
   size_t partial_lse = 0;
   size_t header = 0;
+  size_t merge_counters = 0;  // pieces of each split tile done so far (fused decode merge)
   size_t worker_indptr = 0;
   size_t merges = 0;
   size_t work = 0;
@@ -66,6 +68,8 @@ struct WorkspaceLayout {
     if (plan.device.type == DeviceType::kCUDA) {
       layout.header = offset;
       offset = align_up(offset + sizeof(PlanHeader));
+      layout.merge_counters = offset;
+      offset = align_up(offset + static_cast<size_t>(layout.merge_slots) * sizeof(int32_t));
       layout.worker_indptr = offset;
       offset = align_up(offset + plan.worker_indptr.size() * sizeof(int32_t));
       layout.merges = offset;
@@ -93,8 +97,8 @@ struct WorkspaceLayout {
     return head;
   }
 
-  // Writes the upload span's image (header, worker_indptr, merges, work; padding zeroed) to
-  // `image`, which holds upload_bytes(plan) bytes.
+  // Writes the upload span's image (header, zeroed merge counters, worker_indptr, merges, work;
+  // padding zeroed) to `image`, which holds upload_bytes(plan) bytes.
   void write_upload_image(const Plan& plan, uint64_t generation, void* image) const {
     auto* out = static_cast<unsigned char*>(image);
     std::memset(out, 0, upload_bytes(plan));

@@ -104,6 +104,49 @@ double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iter
   return times.empty() ? 0.0 : times[times.size() / 2];
 }
 
+double cuda_graph_median_ms(void (*launch)(void*, void*), void* context, int warmup, int iters,
+                            size_t flush_bytes) {
+  cudaStream_t stream = nullptr;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream create");
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  double median = 0;
+  try {
+    launch(context, stream);  // one call outside capture: per-device kernel setup
+    check_cuda(cudaStreamSynchronize(stream), "stream synchronize");
+    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    launch(context, stream);
+    check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
+    struct Replay {
+      cudaGraphExec_t exec;
+      cudaStream_t stream;
+    } replay{exec, stream};
+    median = cuda_median_ms(
+        [](void* r) {
+          auto* self = static_cast<Replay*>(r);
+          check_cuda(cudaGraphLaunch(self->exec, self->stream), "graph launch");
+        },
+        &replay, warmup, iters, stream, flush_bytes);
+  } catch (...) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+        status != cudaStreamCaptureStatusNone) {
+      cudaGraph_t broken = nullptr;
+      cudaStreamEndCapture(stream, &broken);
+      if (broken) cudaGraphDestroy(broken);
+    }
+    if (exec) cudaGraphExecDestroy(exec);
+    if (graph) cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    throw;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return median;
+}
+
 void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps,
                        std::string* how) {
   cudaDeviceProp prop;

@@ -69,6 +69,11 @@ void cuda_fill_random(void* ptr, int64_t count, DType dtype, uint64_t seed, floa
 // are overwritten so the L2 holds nothing of the inputs (0: no flush).
 double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iters, void* stream,
                       size_t flush_bytes);
+// The same for a CUDA graph: `launch(context, stream)` runs once on a new stream (warm-up),
+// is captured into a graph, and the median of `iters` timed graph launches is returned, each
+// after a flush of `flush_bytes` (outside the timed events).
+double cuda_graph_median_ms(void (*launch)(void*, void*), void* context, int warmup, int iters,
+                            size_t flush_bytes);
 // The datasheet-style peaks of a device, derived from its SM count, clocks, memory bus and a
 // table of per-SM tensor-core throughput by architecture. `how` says which numbers were used.
 void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps,

@@ -507,10 +507,11 @@ Plan make_test_plan(const AttentionCase& c, const TestPlanOptions& options) {
         }
         const int32_t rows = q_len * group_size;
         const int32_t first_row = static_cast<int32_t>(plan.num_partial_rows);
+        const int32_t merge_index = static_cast<int32_t>(plan.merges.size());
         for (int32_t s = 0; s < splits; ++s) {
           const int32_t kv_start = s * options.kv_chunk;
           const int32_t kv_end = std::min(kv_len, kv_start + options.kv_chunk);
-          items.push_back({b, h, q0, q_len, kv_start, kv_end, first_row + s * rows});
+          items.push_back({b, h, q0, q_len, kv_start, kv_end, first_row + s * rows, merge_index});
         }
         plan.merges.push_back({b, h, q0, q_len, first_row, splits});
         plan.num_partial_rows += static_cast<int64_t>(splits) * rows;

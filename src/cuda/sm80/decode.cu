@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/workspace_layout.hpp"
+#include "cuda/cuda_utils.hpp"
 #include "cuda/sm80/decode_api.hpp"
 #include "cuda/sm80/decode_dequant.cuh"
 #include "cuda/sm80/decode_traits.cuh"
@@ -51,6 +52,29 @@ int decode_variant() {
     return static_cast<int>(value);
   }();
   return variant;
+}
+
+// kDecodeMinKvChunk, or TESSERA_DECODE_MIN_CHUNK (a multiple of 64 in [64, 4096]) to time
+// other piece sizes side by side.
+int32_t decode_min_kv_chunk() {
+  static const int32_t chunk = [] {
+    const char* text = std::getenv("TESSERA_DECODE_MIN_CHUNK");
+    if (text == nullptr || *text == '\0') return kDecodeMinKvChunk;
+    const long value = std::strtol(text, nullptr, 10);
+    return value >= 64 && value <= 4096 && value % 64 == 0 ? static_cast<int32_t>(value)
+                                                           : kDecodeMinKvChunk;
+  }();
+  return chunk;
+}
+
+// Split-KV pieces merged inside the decode kernel (default), or by the separate merge kernel
+// (TESSERA_DECODE_FUSED_MERGE=0, kept to time the two side by side).
+bool fused_decode_merge() {
+  static const bool fused = [] {
+    const char* text = std::getenv("TESSERA_DECODE_FUSED_MERGE");
+    return text == nullptr || std::string(text) != "0";
+  }();
+  return fused;
 }
 
 int decode_head_dim_bucket(int head_dim) {
@@ -148,7 +172,7 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
   }
   config.num_workers = std::max(1, info.num_sms) * std::max(1, ctas_per_sm);
   config.split_kv = true;
-  config.min_kv_chunk = kDecodeMinKvChunk;
+  config.min_kv_chunk = decode_min_kv_chunk();
   config.deterministic = false;
   return config;
 }
@@ -222,14 +246,26 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
   }
   args.output_scale = v_scale;
   args.copy_granularity = copy_granularity;
-  kernel->launch(args, stream);
 
-  // Split-KV pieces wrote float partials: combine them into o / lse (same stream, so after the
-  // decode kernel).
-  // Uploaded by upload_plan: the merge grid depends on the merge slots (the capacity), its count
-  // on the uploaded header.
+  // Split-KV pieces wrote float partials that must be combined into o / lse. Uploaded by
+  // upload_plan, the merge slots come from the capacity and the count from the header.
   const int64_t merge_slots =
       header_uploaded ? layout.merge_slots : static_cast<int64_t>(plan.merges.size());
+  const auto cuda_stream = static_cast<cudaStream_t>(stream);
+  if (merge_slots > 0 && fused_decode_merge()) {
+    // Fused: the last CTA to finish a tile's piece merges it. upload_plan zeroed the counters;
+    // run()'s own upload (not header_uploaded) zeroes them here, in stream order.
+    args.merges = reinterpret_cast<const MergeItem*>(base + layout.merges);
+    args.merge_counters = reinterpret_cast<int32_t*>(base + layout.merge_counters);
+    if (!header_uploaded) {
+      check_cuda(cudaMemsetAsync(args.merge_counters, 0,
+                                 static_cast<size_t>(merge_slots) * sizeof(int32_t), cuda_stream),
+                 "cudaMemsetAsync (decode merge counters)");
+    }
+    kernel->launch(args, stream);
+    return;
+  }
+  kernel->launch(args, stream);
   if (merge_slots > 0) {
     sm80::MergeArgs merge;
     merge.problem = problem;

@@ -418,6 +418,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads)
     mma_load_rows<Traits, kDType>(args, item, lane, state);
     mma_key_loop<Traits, kDType>(args, item, shared, warp, lane, state);
     mma_merge_and_store<Traits, kDType>(args, item, shared, warp, lane, state);
+    finish_split_piece<kDType>(args, item.work);
   }
 }
 

@@ -122,6 +122,10 @@ struct DecodeArgs {
   int32_t num_workers = 0;                 // grid size: one persistent CTA per worker
   float* partial_o = nullptr;              // [num_partial_rows, head_dim] float32 (split-KV pieces)
   float* partial_lse = nullptr;            // [num_partial_rows] float32, natural log
+  // Fused merge of split pieces (finish_split_piece): uploaded plan.merges and one zeroed
+  // counter per merge slot; null: the host launches the merge kernel instead.
+  const MergeItem* merges = nullptr;
+  int32_t* merge_counters = nullptr;
   FastDivmod page_size;
   // Scores are computed in base 2: score = dot(q * q_scale, k_stored). Without soft-cap
   // q_scale = sm_scale * k_scale * dequant * log2(e); with soft-cap q_scale folds 1 / cap in
