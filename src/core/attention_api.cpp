@@ -44,11 +44,13 @@ std::vector<int32_t> diffs(std::span<const int32_t> indptr) {
 // kv_len per request of a paged cache; checks last_page_len.
 std::vector<int32_t> paged_kv_lens(const ArgChecker& check, std::span<const int32_t> page_indptr,
                                    std::span<const int32_t> last_page_len, int page_size) {
-  check.require(page_size >= 1, "page_size", "expected >= 1, got " + std::to_string(page_size));
+  check.require(page_size >= 1, "page_size",
+                [&] { return "expected >= 1, got " + std::to_string(page_size); });
   check.indptr(page_indptr, "page_indptr");
-  check.require(last_page_len.size() + 1 == page_indptr.size(), "last_page_len",
-                "expected batch_size = " + std::to_string(page_indptr.size() - 1) +
-                    " elements (one per request), got " + std::to_string(last_page_len.size()));
+  check.require(last_page_len.size() + 1 == page_indptr.size(), "last_page_len", [&] {
+    return "expected batch_size = " + std::to_string(page_indptr.size() - 1) +
+           " elements (one per request), got " + std::to_string(last_page_len.size());
+  });
   std::vector<int32_t> kv_lens(last_page_len.size());
   for (size_t b = 0; b < last_page_len.size(); ++b) {
     const int64_t pages = page_indptr[b + 1] - page_indptr[b];
@@ -63,8 +65,9 @@ std::vector<int32_t> paged_kv_lens(const ArgChecker& check, std::span<const int3
                                       std::to_string(last_page_len[b]));
     }
     const int64_t len = (pages - 1) * page_size + last_page_len[b];
-    check.require(len <= INT32_MAX, "page_indptr",
-                  "request " + std::to_string(b) + " holds more than 2^31 - 1 keys");
+    check.require(len <= INT32_MAX, "page_indptr", [&] {
+      return "request " + std::to_string(b) + " holds more than 2^31 - 1 keys";
+    });
     kv_lens[b] = static_cast<int32_t>(len);
   }
   return kv_lens;
@@ -97,9 +100,10 @@ Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_
 // ---- run-time checks shared by the three ops ----
 
 void check_plan_op(const ArgChecker& check, const Plan& plan, AttentionOp op) {
-  check.require(plan.op == op, "plan",
-                std::string("expected a plan made by plan_") + op_name(op) + ", got one for " +
-                    op_name(plan.op));
+  check.require(plan.op == op, "plan", [&] {
+    return std::string("expected a plan made by plan_") + op_name(op) + ", got one for " +
+           op_name(plan.op);
+  });
 }
 
 std::initializer_list<DType> q_dtypes(Device device) {
@@ -111,7 +115,7 @@ std::initializer_list<DType> q_dtypes(Device device) {
 
 void check_q_o_lse(const ArgChecker& check, const Plan& plan, const TensorView& q,
                    const TensorView& o, const TensorView& lse) {
-  const std::string q_layout = "[total_q, num_qo_heads, head_dim]";
+  constexpr std::string_view q_layout = "[total_q, num_qo_heads, head_dim]";
   check.tensor(q, "q", 3, q_layout);
   check.dtype_in(q, "q", q_dtypes(plan.device));
   check.device_is(q, "q", plan.device);
@@ -141,9 +145,10 @@ void check_kv_dtype(const ArgChecker& check, const TensorView& k, const TensorVi
 }
 
 void check_workspace(const ArgChecker& check, const Plan& plan, Workspace workspace) {
-  check.require(workspace.bytes >= plan.workspace_bytes, "workspace",
-                "too small: the plan needs " + std::to_string(plan.workspace_bytes) +
-                    " bytes, got " + std::to_string(workspace.bytes));
+  check.require(workspace.bytes >= plan.workspace_bytes, "workspace", [&] {
+    return "too small: the plan needs " + std::to_string(plan.workspace_bytes) + " bytes, got " +
+           std::to_string(workspace.bytes);
+  });
   check.require(plan.workspace_bytes == 0 || workspace.data != nullptr, "workspace",
                 "data pointer is null");
 }
@@ -232,8 +237,8 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
   const bool nhd = kv.layout == KVLayout::kNHD;
   check.require(kv.layout == KVLayout::kNHD || kv.layout == KVLayout::kHND, "kv.layout",
                 "expected NHD (0) or HND (1)");
-  const std::string layout = nhd ? "[num_pages, page_size, num_kv_heads, head_dim] (NHD)"
-                                 : "[num_pages, num_kv_heads, page_size, head_dim] (HND)";
+  const std::string_view layout = nhd ? "[num_pages, page_size, num_kv_heads, head_dim] (NHD)"
+                                      : "[num_pages, num_kv_heads, page_size, head_dim] (HND)";
   const int token_dim = nhd ? 1 : 2, head_dim_index = nhd ? 2 : 1;
   for (const auto& [view, name] : {std::pair{kv.k_cache, "k_cache"}, {kv.v_cache, "v_cache"}}) {
     check.tensor(view, name, 4, layout);
@@ -250,10 +255,11 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
   check.index_array(kv.last_page_len, "last_page_len", plan.batch_size, plan.device);
   int64_t planned_pages = 0;
   for (int32_t len : plan.kv_lens) planned_pages += (len + plan.page_size - 1) / plan.page_size;
-  check.require(kv.page_indices.shape[0] >= planned_pages, "page_indices",
-                "expected at least " + std::to_string(planned_pages) +
-                    " entries (the pages of the plan's requests), got " +
-                    std::to_string(kv.page_indices.shape[0]));
+  check.require(kv.page_indices.shape[0] >= planned_pages, "page_indices", [&] {
+    return "expected at least " + std::to_string(planned_pages) +
+           " entries (the pages of the plan's requests), got " +
+           std::to_string(kv.page_indices.shape[0]);
+  });
   const HostIndices host_indptr = host_indices(kv.page_indptr, plan, stream);
   if (host_indptr.checked) {
     const HostIndices host_last = host_indices(kv.last_page_len, plan, stream);
@@ -261,9 +267,10 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
     const std::span<const int32_t> last(host_last.data, plan.batch_size);
     const std::vector<int32_t> kv_lens = paged_kv_lens(check, indptr, last, plan.page_size);
     check_lengths_match(check, "page_indptr", kv_lens, plan.kv_lens, "kv_len");
-    check.require(indptr.back() <= kv.page_indices.shape[0], "page_indices",
-                  "page_indptr[batch_size] = " + std::to_string(indptr.back()) +
-                      " exceeds its " + std::to_string(kv.page_indices.shape[0]) + " entries");
+    check.require(indptr.back() <= kv.page_indices.shape[0], "page_indices", [&] {
+      return "page_indptr[batch_size] = " + std::to_string(indptr.back()) + " exceeds its " +
+             std::to_string(kv.page_indices.shape[0]) + " entries";
+    });
     const HostIndices host_pages = host_indices(kv.page_indices, plan, stream);
     const int32_t* indices = host_pages.data;
     for (int32_t i = 0; i < indptr.back(); ++i) {
@@ -372,16 +379,17 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
   const ArgChecker check("run_ragged_prefill");
   check_plan_op(check, plan, AttentionOp::kRaggedPrefill);
   check_q_o_lse(check, plan, q, o, lse);
-  const std::string kv_layout = "[total_kv, num_kv_heads, head_dim]";
+  constexpr std::string_view kv_layout = "[total_kv, num_kv_heads, head_dim]";
   const int64_t total_kv = total_of(plan.kv_lens);
   for (const auto& [view, name] : {std::pair{k, "k"}, {v, "v"}}) {
     check.tensor(view, name, 3, kv_layout);
     check.device_is(view, name, plan.device);
     check.dim_is(view, name, 1, plan.num_kv_heads, "num_kv_heads of the plan");
     check.dim_is(view, name, 2, plan.head_dim, "head_dim of the plan");
-    check.require(view.shape[0] >= total_kv, name,
-                  "expected at least " + std::to_string(total_kv) +
-                      " rows (the plan's kv tokens), got " + std::to_string(view.shape[0]));
+    check.require(view.shape[0] >= total_kv, name, [&] {
+      return "expected at least " + std::to_string(total_kv) +
+             " rows (the plan's kv tokens), got " + std::to_string(view.shape[0]);
+    });
   }
   check_kv_dtype(check, k, v, q, "k", "v");
   check_qo_indptr(check, plan, qo_indptr, stream);

@@ -12,18 +12,20 @@ std::string shape_string(const TensorView& view) {
   return out.str();
 }
 
-void ArgChecker::fail(const std::string& arg, const std::string& message) const {
-  throw Error(Error::Kind::kInvalidArgument, "tessera::" + op_ + ": '" + arg + "': " + message);
+void ArgChecker::fail(std::string_view arg, const std::string& message) const {
+  throw Error(Error::Kind::kInvalidArgument,
+              "tessera::" + std::string(op_) + ": '" + std::string(arg) + "': " + message);
 }
 
-void ArgChecker::unsupported(const std::string& arg, const std::string& message) const {
-  throw Error(Error::Kind::kUnsupported, "tessera::" + op_ + ": '" + arg + "': " + message);
+void ArgChecker::unsupported(std::string_view arg, const std::string& message) const {
+  throw Error(Error::Kind::kUnsupported,
+              "tessera::" + std::string(op_) + ": '" + std::string(arg) + "': " + message);
 }
 
-void ArgChecker::tensor(const TensorView& view, const std::string& arg, int ndim,
-                        const std::string& layout) const {
+void ArgChecker::tensor(const TensorView& view, std::string_view arg, int ndim,
+                        std::string_view layout) const {
   if (view.ndim != ndim) {
-    fail(arg, "expected a " + std::to_string(ndim) + "-D tensor " + layout + ", got " +
+    fail(arg, "expected a " + std::to_string(ndim) + "-D tensor " + std::string(layout) + ", got " +
                   (view.ndim == 0 ? std::string("none") : std::to_string(view.ndim) + "-D " +
                                                               shape_string(view)));
   }
@@ -38,7 +40,7 @@ void ArgChecker::tensor(const TensorView& view, const std::string& arg, int ndim
   }
 }
 
-void ArgChecker::output(const TensorView& view, const std::string& arg) const {
+void ArgChecker::output(const TensorView& view, std::string_view arg) const {
   for (int i = 0; i < view.ndim; ++i) {
     if (view.shape[i] > 1 && view.stride[i] == 0) {
       fail(arg, "is an output, so its elements must not alias: stride 0 in dim " +
@@ -47,7 +49,7 @@ void ArgChecker::output(const TensorView& view, const std::string& arg) const {
   }
 }
 
-void ArgChecker::dtype_in(const TensorView& view, const std::string& arg,
+void ArgChecker::dtype_in(const TensorView& view, std::string_view arg,
                           std::initializer_list<DType> allowed) const {
   std::string names;
   for (DType d : allowed) {
@@ -57,22 +59,22 @@ void ArgChecker::dtype_in(const TensorView& view, const std::string& arg,
   fail(arg, "expected dtype " + names + ", got " + dtype_name(view.dtype));
 }
 
-void ArgChecker::device_is(const TensorView& view, const std::string& arg, Device device) const {
+void ArgChecker::device_is(const TensorView& view, std::string_view arg, Device device) const {
   if (!(view.device == device)) {
     fail(arg, "expected a tensor on " + device_name(device) + ", got one on " +
                   device_name(view.device));
   }
 }
 
-void ArgChecker::dim_is(const TensorView& view, const std::string& arg, int dim, int64_t expected,
-                        const std::string& what) const {
+void ArgChecker::dim_is(const TensorView& view, std::string_view arg, int dim, int64_t expected,
+                        std::string_view what) const {
   if (view.shape[dim] != expected) {
-    fail(arg, "expected size " + std::to_string(expected) + " (" + what + ") in dim " +
+    fail(arg, "expected size " + std::to_string(expected) + " (" + std::string(what) + ") in dim " +
                   std::to_string(dim) + ", got shape " + shape_string(view));
   }
 }
 
-void ArgChecker::index_array(const TensorView& view, const std::string& arg, int64_t length,
+void ArgChecker::index_array(const TensorView& view, std::string_view arg, int64_t length,
                              Device device) const {
   tensor(view, arg, 1, "of int32");
   dtype_is(view, arg, DType::kInt32);
@@ -83,13 +85,16 @@ void ArgChecker::index_array(const TensorView& view, const std::string& arg, int
   }
 }
 
-int64_t ArgChecker::indptr(std::span<const int32_t> values, const std::string& arg) const {
+int64_t ArgChecker::indptr(std::span<const int32_t> values, std::string_view arg) const {
   if (values.empty()) fail(arg, "expected at least one element (batch_size + 1), got none");
-  if (values[0] != 0) fail(arg, "expected " + arg + "[0] == 0, got " + std::to_string(values[0]));
+  const auto name = [&] { return std::string(arg); };
+  if (values[0] != 0) {
+    fail(arg, "expected " + name() + "[0] == 0, got " + std::to_string(values[0]));
+  }
   for (size_t i = 1; i < values.size(); ++i) {
     if (values[i] < values[i - 1]) {
-      fail(arg, "must be non-decreasing, but " + arg + "[" + std::to_string(i) + "] = " +
-                    std::to_string(values[i]) + " < " + arg + "[" + std::to_string(i - 1) +
+      fail(arg, "must be non-decreasing, but " + name() + "[" + std::to_string(i) + "] = " +
+                    std::to_string(values[i]) + " < " + name() + "[" + std::to_string(i - 1) +
                     "] = " + std::to_string(values[i - 1]));
     }
   }

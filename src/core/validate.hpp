@@ -6,6 +6,9 @@
 #include <initializer_list>
 #include <span>
 #include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
 
 #include "tessera/types.hpp"
 
@@ -13,40 +16,56 @@ namespace tessera::detail {
 
 std::string shape_string(const TensorView& view);
 
+// Every check is on the hot path of run_*(): names, layouts and descriptions are string_views
+// (no std::string is built per call) and a message is formatted only when a check fails (the
+// lazy require takes a callable).
 class ArgChecker {
  public:
-  explicit ArgChecker(std::string op) : op_(std::move(op)) {}
+  explicit ArgChecker(const char* op) : op_(op) {}
+  explicit ArgChecker(std::string op) : owned_(std::move(op)), op_(owned_) {}
+  ArgChecker(const ArgChecker&) = delete;
+  ArgChecker& operator=(const ArgChecker&) = delete;
 
-  [[noreturn]] void fail(const std::string& arg, const std::string& message) const;
-  [[noreturn]] void unsupported(const std::string& arg, const std::string& message) const;
-  void require(bool condition, const std::string& arg, const std::string& message) const {
+  [[noreturn]] void fail(std::string_view arg, const std::string& message) const;
+  [[noreturn]] void unsupported(std::string_view arg, const std::string& message) const;
+  void require(bool condition, std::string_view arg, const std::string& message) const {
     if (!condition) fail(arg, message);
+  }
+  void require(bool condition, std::string_view arg, const char* message) const {
+    if (!condition) fail(arg, message);
+  }
+  // Lazy: `make_message()` (returning std::string) runs only when the check fails.
+  template <class MakeMessage>
+    requires std::is_invocable_r_v<std::string, MakeMessage>
+  void require(bool condition, std::string_view arg, MakeMessage&& make_message) const {
+    if (!condition) fail(arg, std::forward<MakeMessage>(make_message)());
   }
 
   // A present tensor of rank `ndim`: non-negative shape and strides, data for non-empty tensors,
   // unit stride on the last dim (when ndim > 0 and that dim has more than one element).
-  void tensor(const TensorView& view, const std::string& arg, int ndim,
-              const std::string& layout) const;
+  void tensor(const TensorView& view, std::string_view arg, int ndim,
+              std::string_view layout) const;
   // An output: no two of its elements may alias (stride > 0 on every dim of size > 1).
-  void output(const TensorView& view, const std::string& arg) const;
-  void dtype_in(const TensorView& view, const std::string& arg,
+  void output(const TensorView& view, std::string_view arg) const;
+  void dtype_in(const TensorView& view, std::string_view arg,
                 std::initializer_list<DType> allowed) const;
-  void dtype_is(const TensorView& view, const std::string& arg, DType dtype) const {
-    dtype_in(view, arg, {dtype});
+  void dtype_is(const TensorView& view, std::string_view arg, DType dtype) const {
+    if (view.dtype != dtype) dtype_in(view, arg, {dtype});
   }
-  void device_is(const TensorView& view, const std::string& arg, Device device) const;
-  void dim_is(const TensorView& view, const std::string& arg, int dim, int64_t expected,
-              const std::string& what) const;
+  void device_is(const TensorView& view, std::string_view arg, Device device) const;
+  void dim_is(const TensorView& view, std::string_view arg, int dim, int64_t expected,
+              std::string_view what) const;
   // A 1-D contiguous int32 tensor of `length` elements (length < 0: any).
-  void index_array(const TensorView& view, const std::string& arg, int64_t length,
+  void index_array(const TensorView& view, std::string_view arg, int64_t length,
                    Device device) const;
   // A CSR indptr on the host: size >= 1, starts at 0, non-decreasing; returns the last value.
-  int64_t indptr(std::span<const int32_t> values, const std::string& arg) const;
+  int64_t indptr(std::span<const int32_t> values, std::string_view arg) const;
 
-  const std::string& op() const { return op_; }
+  std::string_view op() const { return op_; }
 
  private:
-  std::string op_;
+  std::string owned_;
+  std::string_view op_;
 };
 
 void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim);
