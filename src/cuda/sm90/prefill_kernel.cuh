@@ -157,6 +157,12 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   params->kv_tma = kv_tma ? 1 : 0;
   params->kv_heads_first = k_heads_first ? 1 : 0;
   params->kv_box_rows = kv.paged ? box_rows : 0;
+  static const int32_t box_lanes = [] {
+    const char* text = std::getenv("TESSERA_SM90_BOX_LANES");
+    const long lanes = text != nullptr ? std::strtol(text, nullptr, 10) : 32;
+    return static_cast<int32_t>(lanes >= 1 && lanes <= 32 ? lanes : 32);
+  }();
+  params->kv_box_lanes = box_lanes;
   return true;
 }
 

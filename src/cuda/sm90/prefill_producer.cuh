@@ -3,8 +3,9 @@
 //
 // Per key tile t (ring slot s = count % kStages, use u = count / kStages):
 //   every producer thread waits until slot s is free (empty barrier, parity of use u - 1);
-//   TMA tile:    thread 0 announces the bytes (arrive.expect_tx) and issues the copies, the
-//                other 127 threads arrive plainly - the full barrier counts 128 arrivals;
+//   TMA tile:    thread 0 announces the bytes (arrive.expect_tx) and issues the copies (paged:
+//                the lanes of warp 0 share the per-page boxes and arrive after issuing them),
+//                the other threads arrive plainly - the full barrier counts 128 arrivals;
 //   gathered:    all 128 threads issue cp.async (zero-filling keys past the request), then
 //                cp.async.mbarrier.arrive.noinc - one arrival each when their copies land.
 // K of tile 0 goes out before Q (it does not wait for the previous tile's consumers), then Q
@@ -186,14 +187,14 @@ class PrefillProducer {
     const KVSource& kv = problem_.kv;
     const int32_t first_key = tile.key0 + t * Traits::kBlockN;
     if (!gathered) {
-      if (threadIdx.x != 0) {
-        ptx::mbarrier_arrive(full);
-        return;
-      }
       const CUtensorMap* map = values ? &params_.v_map : &params_.k_map;
-      ptx::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(Traits::kKVStageBytes));
       const int32_t heads_first = params_.kv_heads_first;
       if (!kv.paged) {
+        if (threadIdx.x != 0) {
+          ptx::mbarrier_arrive(full);
+          return;
+        }
+        ptx::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(Traits::kKVStageBytes));
         const int32_t row = kv_row_base + first_key;
 #pragma unroll
         for (int block = 0; block < Traits::kColumnBlocks; ++block) {
@@ -203,12 +204,28 @@ class PrefillProducer {
         }
         return;
       }
+      // Paged: one box per page (or per key tile when pages are larger), issued by the first
+      // kv_box_lanes lanes of warp 0 in parallel - lane l issues boxes l, l + lanes, ... -
+      // instead of one thread issuing them all in sequence (with 16-key pages a d128 K tile is
+      // 8 boxes x 2 column blocks).
+      // Thread 0 announces the whole tile's bytes before any lane issues a box (__syncwarp), and
+      // each lane arrives only after issuing its boxes: the phase cannot complete before every
+      // box has been issued and has landed.
+      const int lanes = params_.kv_box_lanes;
+      if (static_cast<int>(threadIdx.x) >= lanes) {
+        ptx::mbarrier_arrive(full);
+        return;
+      }
+      if (threadIdx.x == 0) {
+        ptx::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(Traits::kKVStageBytes));
+      }
+      __syncwarp(lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u);
       const int32_t box_rows = params_.kv_box_rows;
       const int32_t row_in_page = first_key % kv.page_size;  // 0 unless page_size > BLOCK_N
       const int32_t* table = smem_.page_table(chunk % 2);
       const int32_t table_first = first_key / kv.page_size - chunk_first_page(tile, chunk);
 #pragma unroll 1
-      for (int box = 0; box * box_rows < Traits::kBlockN; ++box) {
+      for (int box = threadIdx.x; box * box_rows < Traits::kBlockN; box += lanes) {
         // Box `box` starts at key first_key + box * box_rows: TMA tiles lie inside the request,
         // and box_rows is a whole number of pages when pages are smaller than a key tile.
         const int32_t page = table[table_first + box * box_rows / kv.page_size];
@@ -220,6 +237,7 @@ class PrefillProducer {
                            heads_first ? row_in_page : tile.kv_head, page);
         }
       }
+      if (threadIdx.x != 0) ptx::mbarrier_arrive(full);
       return;
     }
     // Gather: thread -> 16-byte chunk (thread % 8) of rows thread / 8 + 16 i, every column
