@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cmath>
+#include <functional>
 #include <map>
+#include <queue>
 #include <random>
 #include <tuple>
 
@@ -245,6 +248,209 @@ TEST(Planner, EmptyRequestsAndRowsWithoutKeysGetItems) {
   const Plan plan = make_plan(shape, config);
   check_plan(shape, plan);
   EXPECT_EQ(plan.total_q, 8);
+}
+
+// The planner's search written out directly, as it was before it was made fast (issue 5):
+// every split policy builds all its work items and an LPT schedule over a priority queue, the
+// shortest busiest worker wins (ties: fewer items). make_plan must choose the same plan.
+struct ReferencePlan {
+  std::vector<WorkItem> work;  // grouped by worker, longest first within a worker
+  std::vector<int32_t> worker_indptr;
+  std::vector<MergeItem> merges;
+  int64_t partial_rows = 0;
+  double max_worker_cost = 0;
+  double total_cost = 0;
+};
+
+ReferencePlan reference_plan(const PlanShape& shape, const PlanConfig& config) {
+  const MaskSpec mask = mask_of(shape.options);
+  const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
+  const int32_t tokens_per_tile = std::max(1, config.q_tile_rows / group);
+  const auto ceil_div = [](int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); };
+  std::vector<WorkItem> tiles;
+  std::vector<double> tile_costs;
+  double total_cost = 0;
+  for (int32_t b = 0; b < static_cast<int32_t>(shape.q_lens.size()); ++b) {
+    const int32_t q_len = shape.q_lens[b], kv_len = shape.kv_lens[b];
+    for (int32_t q_start = 0; q_start < q_len; q_start += tokens_per_tile) {
+      const int32_t tile_len = std::min(tokens_per_tile, q_len - q_start);
+      int32_t first_lo, last_lo, first_hi, last_hi;
+      mask.visible_range(q_start, q_len, kv_len, &first_lo, &last_lo);
+      mask.visible_range(q_start + tile_len - 1, q_len, kv_len, &first_hi, &last_hi);
+      for (int32_t h = 0; h < shape.num_kv_heads; ++h) {
+        const WorkItem item{b, h, q_start, tile_len, first_lo, std::max(first_lo, last_hi), -1};
+        tiles.push_back(item);
+        tile_costs.push_back(work_item_cost(item, mask, q_len, kv_len, group));
+        total_cost += tile_costs.back();
+      }
+    }
+  }
+  const double fair_share = total_cost / config.num_workers;
+  std::vector<std::pair<double, bool>> policies = {{fair_share, true}};
+  if (config.split_kv && !config.deterministic) {
+    policies = {{fair_share, true}, {fair_share, false}, {fair_share / 2, false},
+                {fair_share / 3, false}};
+  }
+  ReferencePlan best;
+  size_t best_items = 0;
+  for (size_t p = 0; p < policies.size(); ++p) {
+    const auto [target, round_up] = policies[p];
+    std::vector<WorkItem> work;
+    std::vector<double> costs;
+    std::vector<MergeItem> merges;
+    int64_t partial_rows = 0;
+    for (size_t i = 0; i < tiles.size(); ++i) {
+      const WorkItem& tile = tiles[i];
+      const int32_t range = tile.kv_end - tile.kv_start;
+      int32_t chunk = range;
+      if (config.split_kv && range > config.min_kv_chunk) {
+        if (config.deterministic) {
+          chunk = config.min_kv_chunk;
+        } else if (tile_costs[i] > target) {
+          const double ratio = tile_costs[i] / target;
+          const int32_t by_cost =
+              static_cast<int32_t>(round_up ? std::ceil(ratio) : std::round(ratio));
+          const int32_t pieces =
+              std::max(1, std::min(by_cost, ceil_div(range, config.min_kv_chunk)));
+          chunk = std::max(ceil_div(ceil_div(range, pieces), kSplitAlignment) * kSplitAlignment,
+                           config.min_kv_chunk);
+        }
+      }
+      std::vector<WorkItem> pieces;
+      if (chunk >= range) {
+        pieces.push_back(tile);
+      } else {
+        for (int32_t start = tile.kv_start; start < tile.kv_end;) {
+          int32_t end = config.deterministic ? (start / chunk + 1) * chunk : start + chunk;
+          end = std::min(end, tile.kv_end);
+          WorkItem piece = tile;
+          piece.kv_start = start;
+          piece.kv_end = end;
+          pieces.push_back(piece);
+          start = end;
+        }
+      }
+      if (pieces.size() > 1) {
+        const int32_t rows = tile.q_len * group;
+        merges.push_back({tile.request, tile.kv_head, tile.q_start, tile.q_len,
+                          static_cast<int32_t>(partial_rows), static_cast<int32_t>(pieces.size())});
+        for (size_t k = 0; k < pieces.size(); ++k) {
+          pieces[k].partial_row = static_cast<int32_t>(partial_rows + k * rows);
+          pieces[k].merge_index = static_cast<int32_t>(merges.size() - 1);
+        }
+        partial_rows += static_cast<int64_t>(rows) * pieces.size();
+      }
+      for (const WorkItem& piece : pieces) {
+        work.push_back(piece);
+        costs.push_back(pieces.size() == 1
+                            ? tile_costs[i]
+                            : work_item_cost(piece, mask, shape.q_lens[piece.request],
+                                             shape.kv_lens[piece.request], group));
+      }
+    }
+    std::vector<int32_t> order(work.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return costs[a] > costs[b]; });
+    using Load = std::pair<double, int32_t>;
+    std::priority_queue<Load, std::vector<Load>, std::greater<Load>> loads;
+    for (int32_t w = 0; w < config.num_workers; ++w) loads.push({0.0, w});
+    std::vector<int32_t> owner(work.size());
+    std::vector<double> worker_cost(config.num_workers, 0.0);
+    for (int32_t index : order) {
+      auto [load, worker] = loads.top();
+      loads.pop();
+      owner[index] = worker;
+      worker_cost[worker] = load + costs[index];
+      loads.push({worker_cost[worker], worker});
+    }
+    const double makespan = *std::max_element(worker_cost.begin(), worker_cost.end());
+    if (p == 0 || makespan < best.max_worker_cost * (1.0 - 1e-9) ||
+        (makespan <= best.max_worker_cost * (1.0 + 1e-9) && work.size() < best_items)) {
+      best.worker_indptr.assign(config.num_workers + 1, 0);
+      for (int32_t w : owner) ++best.worker_indptr[w + 1];
+      for (int32_t w = 0; w < config.num_workers; ++w) {
+        best.worker_indptr[w + 1] += best.worker_indptr[w];
+      }
+      std::vector<int32_t> cursor(best.worker_indptr.begin(), best.worker_indptr.end() - 1);
+      best.work.assign(work.size(), WorkItem{});
+      for (int32_t index : order) best.work[cursor[owner[index]]++] = work[index];
+      best.merges = merges;
+      best.partial_rows = partial_rows;
+      best.max_worker_cost = makespan;
+      best_items = work.size();
+    }
+  }
+  best.total_cost = total_cost;
+  return best;
+}
+
+void expect_same_as_reference(const PlanShape& shape, const Plan& plan) {
+  const ReferencePlan ref = reference_plan(shape, plan.config);
+  ASSERT_EQ(plan.work.size(), ref.work.size());
+  for (size_t i = 0; i < ref.work.size(); ++i) {
+    ASSERT_EQ(0, std::memcmp(&plan.work[i], &ref.work[i], sizeof(WorkItem)))
+        << "work item " << i << ": request " << plan.work[i].request << " kv_head "
+        << plan.work[i].kv_head << " q_start " << plan.work[i].q_start << " kv ["
+        << plan.work[i].kv_start << ", " << plan.work[i].kv_end << "), reference request "
+        << ref.work[i].request << " kv_head " << ref.work[i].kv_head << " q_start "
+        << ref.work[i].q_start << " kv [" << ref.work[i].kv_start << ", " << ref.work[i].kv_end
+        << ")";
+  }
+  ASSERT_EQ(plan.worker_indptr, ref.worker_indptr);
+  ASSERT_EQ(plan.merges.size(), ref.merges.size());
+  for (size_t m = 0; m < ref.merges.size(); ++m) {
+    ASSERT_EQ(0, std::memcmp(&plan.merges[m], &ref.merges[m], sizeof(MergeItem))) << "merge " << m;
+  }
+  ASSERT_EQ(plan.num_partial_rows, ref.partial_rows);
+  ASSERT_EQ(plan.max_worker_cost, ref.max_worker_cost);
+  ASSERT_EQ(plan.total_cost, ref.total_cost);
+}
+
+// The fast search (skipped duplicate / hopeless policies, per-q-tile costs, one sift per item)
+// picks exactly the plan of the direct search: random shapes and configs, and serving-sized
+// batches (uniform, skewed, mixed prefill + decode) on many workers where the policies differ.
+TEST(Planner, FastSearchChoosesTheReferencePlan) {
+  std::mt19937_64 rng(505);
+  for (int trial = 0; trial < 1000; ++trial) {
+    const AttentionOp op = trial % 3 == 0 ? AttentionOp::kDecode : AttentionOp::kRaggedPrefill;
+    const PlanShape shape = random_shape(rng, op);
+    const PlanConfig config = random_config(rng, shape.num_qo_heads / shape.num_kv_heads);
+    const Plan plan = make_plan(shape, config);
+    SCOPED_TRACE("random trial " + std::to_string(trial));
+    expect_same_as_reference(shape, plan);
+    if (HasFatalFailure()) return;
+  }
+  const auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int trial = 0; trial < 200; ++trial) {
+    PlanShape shape;
+    shape.op = trial % 2 == 0 ? AttentionOp::kDecode : AttentionOp::kPagedPrefill;
+    shape.num_kv_heads = std::vector<int>{1, 2, 8}[trial % 3];
+    shape.num_qo_heads = shape.num_kv_heads * std::vector<int>{1, 4, 8}[uniform(0, 2)];
+    shape.head_dim = 128;
+    shape.page_size = 16;
+    shape.options.causal = shape.op != AttentionOp::kDecode;
+    const int batch = uniform(1, 300);
+    const int kind = trial % 4;  // uniform, random, skewed, mixed
+    const int base = uniform(1, 8192);
+    for (int b = 0; b < batch; ++b) {
+      int kv = kind == 0 ? base : uniform(1, 32768);
+      if (kind == 2) kv = b == 0 ? uniform(16384, 65536) : uniform(16, 1024);
+      int q = shape.op == AttentionOp::kDecode ? 1 : uniform(1, 64);
+      if (kind == 3 && shape.op != AttentionOp::kDecode) q = b < 3 ? uniform(300, 2000) : 1;
+      shape.q_lens.push_back(q);
+      shape.kv_lens.push_back(std::max(kv, q));
+    }
+    PlanConfig config;
+    config.q_tile_rows = std::max(64, shape.num_qo_heads / shape.num_kv_heads);
+    config.num_workers = std::vector<int>{132, 264, 1000}[uniform(0, 2)];
+    config.min_kv_chunk = std::vector<int>{256, 512}[uniform(0, 1)];
+    config.deterministic = uniform(0, 5) == 0;
+    const Plan plan = make_plan(shape, config);
+    SCOPED_TRACE("serving trial " + std::to_string(trial));
+    expect_same_as_reference(shape, plan);
+    if (HasFatalFailure()) return;
+  }
 }
 
 TEST(Planner, GroupLargerThanTileIsAClearError) {

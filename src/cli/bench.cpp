@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 #include <numeric>
@@ -271,12 +272,15 @@ double visible_pairs_of(const BenchCase& c, int q_len, int kv_len) {
 }
 
 double visible_pairs(const BenchCase& c) {
-  double pairs = visible_pairs_of(c, c.q_len, c.kv_len) * (c.batch - 1);
-  return pairs + visible_pairs_of(c, c.q_len_of(0), c.kv_len_of(0));
+  const int first = c.num_first();
+  double pairs = visible_pairs_of(c, c.q_len, c.kv_len) * (c.batch - first);
+  return pairs + visible_pairs_of(c, c.q_len_of(0), c.kv_len_of(0)) * first;
 }
 
 double total_keys(const BenchCase& c) {
-  return static_cast<double>(c.kv_len) * (c.batch - 1) + c.kv_len_of(0);
+  const int first = c.num_first();
+  return static_cast<double>(c.kv_len) * (c.batch - first) +
+         static_cast<double>(c.kv_len_of(0)) * first;
 }
 
 // ---- timing ----
@@ -358,6 +362,137 @@ BenchCase gqa_case(AttentionOp op, int batch, int q_len, int kv_len, bool causal
   return c;
 }
 
+// ---- planner speed (`--suite plan`) ----
+
+// A serving engine calls plan() once per step on the host: these cases time it. With a GPU
+// the real plan_* calls (validation, lengths, the device's planner knobs); without one the
+// planner itself (detail::make_plan) with knobs like an H200's, so the numbers mean the same
+// on a build host.
+struct PlanBenchCase {
+  std::string name;
+  AttentionOp op = AttentionOp::kDecode;
+  std::vector<int32_t> q_lens, kv_lens;
+  bool causal = false;
+};
+
+std::vector<PlanBenchCase> plan_bench_cases() {
+  std::vector<PlanBenchCase> cases;
+  std::mt19937_64 rng(5);
+  const auto random_lens = [&](int count, int lo, int hi) {
+    std::vector<int32_t> lens(count);
+    for (auto& len : lens) len = std::uniform_int_distribution<int32_t>(lo, hi)(rng);
+    return lens;
+  };
+  const auto add = [&](std::string name, AttentionOp op, std::vector<int32_t> q_lens,
+                       std::vector<int32_t> kv_lens, bool causal) {
+    cases.push_back({std::move(name), op, std::move(q_lens), std::move(kv_lens), causal});
+  };
+  add("plan decode 256x512..32k", AttentionOp::kDecode, std::vector<int32_t>(256, 1),
+      random_lens(256, 512, 32768), false);
+  add("plan decode 256x16k", AttentionOp::kDecode, std::vector<int32_t>(256, 1),
+      std::vector<int32_t>(256, 16384), false);
+  std::vector<int32_t> skewed(256, 512);
+  skewed[0] = 32768;
+  add("plan decode skewed 1x32k+255x512", AttentionOp::kDecode, std::vector<int32_t>(256, 1),
+      skewed, false);
+  add("plan decode 16x4k", AttentionOp::kDecode, std::vector<int32_t>(16, 1),
+      std::vector<int32_t>(16, 4096), false);
+  const std::vector<int32_t> prefill_lens = random_lens(64, 128, 4096);
+  add("plan prefill causal 64x128..4k", AttentionOp::kRaggedPrefill, prefill_lens, prefill_lens,
+      true);
+  std::vector<int32_t> skewed_prefill(64, 256);
+  skewed_prefill[0] = 16384;
+  add("plan prefill causal skewed 1x16k+63x256", AttentionOp::kRaggedPrefill, skewed_prefill,
+      skewed_prefill, true);
+  std::vector<int32_t> mixed_q(256, 1);
+  std::fill(mixed_q.begin(), mixed_q.begin() + 4, 2048);
+  add("plan paged prefill causal mixed 4x2048+252x1", AttentionOp::kPagedPrefill, mixed_q,
+      std::vector<int32_t>(256, 2048), true);
+  return cases;
+}
+
+int run_plan_bench(const BenchOptions& options) {
+  const Device device = resolve_backend(options.backend);
+  const bool gpu = device.type == DeviceType::kCUDA;
+  constexpr int kQoHeads = 32, kKvHeads = 8, kHeadDim = 128, kPageSize = 16;
+  // Without a GPU: H200-like knobs (132 SMs x 2 CTAs, 64-row tiles, 512-key minimum chunk).
+  PlanConfig fake;
+  fake.q_tile_rows = 64;
+  fake.num_workers = 264;
+  fake.split_kv = true;
+  fake.min_kv_chunk = 512;
+  std::cout << "tessera bench --suite plan: "
+            << (gpu ? "plan_* for " + describe_device(device)
+                    : std::string("detail::make_plan, no GPU: fake CUDA config (264 workers, "
+                                  "64-row tiles, min chunk 512)"))
+            << "\nhost: " << describe_device(Device{DeviceType::kCPU, 0})
+            << "\nGQA 32/8, head_dim 128, page 16; microseconds per plan(), median of many calls\n";
+  std::printf("\n%-44s %10s %10s %10s %8s %8s %8s\n", "case", "median us", "min us", "cpu us",
+              "calls", "items", "merges");
+  for (const PlanBenchCase& c : plan_bench_cases()) {
+    if (!options.filter.empty() && c.name.find(options.filter) == std::string::npos) continue;
+    AttentionOptions attention;
+    attention.causal = c.causal;
+    std::vector<int32_t> qo_indptr(1, 0), kv_indptr(1, 0), page_indptr(1, 0), last_page_len;
+    for (size_t b = 0; b < c.q_lens.size(); ++b) {
+      qo_indptr.push_back(qo_indptr.back() + c.q_lens[b]);
+      kv_indptr.push_back(kv_indptr.back() + c.kv_lens[b]);
+      const int32_t pages = (c.kv_lens[b] + kPageSize - 1) / kPageSize;
+      page_indptr.push_back(page_indptr.back() + pages);
+      last_page_len.push_back(pages == 0 ? 1 : c.kv_lens[b] - (pages - 1) * kPageSize);
+    }
+    detail::PlanShape shape;
+    shape.op = c.op;
+    shape.q_lens = c.q_lens;
+    shape.kv_lens = c.kv_lens;
+    shape.num_qo_heads = kQoHeads;
+    shape.num_kv_heads = kKvHeads;
+    shape.head_dim = kHeadDim;
+    shape.page_size = c.op == AttentionOp::kRaggedPrefill ? 0 : kPageSize;
+    shape.options = attention;
+    const auto plan_once = [&]() -> Plan {
+      if (!gpu) return detail::make_plan(shape, fake);
+      switch (c.op) {
+        case AttentionOp::kRaggedPrefill:
+          return plan_ragged_prefill(qo_indptr, kv_indptr, kQoHeads, kKvHeads, kHeadDim,
+                                     attention, device);
+        case AttentionOp::kPagedPrefill:
+          return plan_paged_prefill(qo_indptr, page_indptr, last_page_len, kPageSize, kQoHeads,
+                                    kKvHeads, kHeadDim, attention, device);
+        case AttentionOp::kDecode:
+          break;
+      }
+      return plan_decode(page_indptr, last_page_len, kPageSize, kQoHeads, kKvHeads, kHeadDim,
+                         attention, device, c.q_lens.empty() ? 1 : c.q_lens[0]);
+    };
+    const Plan sample = plan_once();  // warm-up
+    // Wall time, and this thread's CPU time (less disturbed on a shared build host).
+    const auto thread_cpu_us = [] {
+      timespec now{};
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &now);
+      return now.tv_sec * 1e6 + now.tv_nsec * 1e-3;
+    };
+    std::vector<double> times, cpu_times;
+    const int wanted = options.iterations > 0 ? options.iterations : 2000;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    for (int i = 0; i < wanted; ++i) {
+      const double cpu_start = thread_cpu_us();
+      const auto start = std::chrono::steady_clock::now();
+      const Plan plan = plan_once();
+      const auto stop = std::chrono::steady_clock::now();
+      cpu_times.push_back(thread_cpu_us() - cpu_start);
+      times.push_back(std::chrono::duration<double, std::micro>(stop - start).count());
+      if (options.iterations == 0 && i >= 20 && stop > deadline) break;
+    }
+    std::sort(times.begin(), times.end());
+    std::sort(cpu_times.begin(), cpu_times.end());
+    std::printf("%-44s %10.2f %10.2f %10.2f %8zu %8zu %8zu\n", c.name.c_str(),
+                times[times.size() / 2], times.front(), cpu_times[cpu_times.size() / 2],
+                times.size(), sample.work.size(), sample.merges.size());
+  }
+  return 0;
+}
+
 }  // namespace
 
 Device resolve_backend(const std::string& requested, bool* reference) {
@@ -380,7 +515,7 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
   const bool quick = suite == "quick";
   if (suite != "quick" && suite != "standard") {
     throw Error(Error::Kind::kInvalidArgument,
-                "--suite: expected quick or standard, got '" + suite + "'");
+                "--suite: expected quick, standard or plan, got '" + suite + "'");
   }
   if (device.type == DeviceType::kCUDA) {
     // The grid of ANCHORS.md: B x S = 16k tokens, H x D = 2048.
@@ -416,6 +551,13 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
       BenchCase uniform_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 2048, 2048, true, 0);
       uniform_prefill.name = "prefill gqa32/8 d128 causal uniform 64x2048";  // ~ equal work
       cases.push_back(uniform_prefill);
+      // A mixed batch in one plan (issue 5): 4 requests prefilling 2048 tokens beside 252
+      // decoding one token, all over 2048 cached keys (paged prefill with ragged q lengths).
+      BenchCase mixed = gqa_case(AttentionOp::kPagedPrefill, 256, 1, 2048, true, 16);
+      mixed.first_q_len = 2048;
+      mixed.first_count = 4;
+      mixed.name = "prefill gqa32/8 d128 p16 causal mixed 4x2048+252x1";
+      cases.push_back(mixed);
       // Checked mode (issue 7): the same decode with index validation on.
       BenchCase checked = gqa_case(AttentionOp::kDecode, 64, 1, 4096, false, 16);
       checked.checked = true;
@@ -446,6 +588,7 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
 }
 
 int run_bench(const BenchOptions& options) {
+  if (options.suite == "plan") return run_plan_bench(options);
   bool reference = false;
   const Device device = resolve_backend(options.backend, &reference);
   const CpuImpl saved_impl = cpu_impl();
@@ -550,6 +693,7 @@ int run_bench(const BenchOptions& options) {
            << ", \"num_kv_heads\": " << c.num_kv_heads << ", \"head_dim\": " << c.head_dim
            << ", \"page_size\": " << c.page_size << ", \"causal\": " << (c.causal ? 1 : 0)
            << ", \"first_q_len\": " << c.q_len_of(0) << ", \"first_kv_len\": " << c.kv_len_of(0)
+           << ", \"first_count\": " << c.num_first()
            << ", \"checked\": " << (c.checked ? 1 : 0) << ", \"graph\": " << (c.graph ? 1 : 0)
            << ", \"ms\": " << r.milliseconds << ", \"tflops\": " << r.flops / 1e12
            << ", \"bytes\": " << r.bytes << ", \"rate\": " << r.rate

@@ -3,6 +3,7 @@
 // printed as a table (and optionally JSON).
 #pragma once
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -22,22 +23,27 @@ struct BenchCase {
   int head_dim = 0;
   int page_size = 0;  // paged ops
   bool causal = false;
-  // Skewed batches: request 0 has these lengths instead (0: the same as the others).
+  // Skewed and mixed batches: requests 0 .. first_count - 1 have these lengths instead (0: the
+  // same as the others).
   int first_q_len = 0;
   int first_kv_len = 0;
+  int first_count = 1;
   // Runs with index checking on (set_index_checking): the cost of checked mode.
   bool checked = false;
   // Times a CUDA graph replay of the call (captured once on a stream) instead of the call:
   // the per-call latency a graph-captured serving step sees (GPU only).
   bool graph = false;
 
-  int q_len_of(int b) const { return b == 0 && first_q_len > 0 ? first_q_len : q_len; }
-  int kv_len_of(int b) const { return b == 0 && first_kv_len > 0 ? first_kv_len : kv_len; }
+  int q_len_of(int b) const { return b < first_count && first_q_len > 0 ? first_q_len : q_len; }
+  int kv_len_of(int b) const {
+    return b < first_count && first_kv_len > 0 ? first_kv_len : kv_len;
+  }
+  int num_first() const { return std::clamp(first_count, 0, batch); }
 };
 
 struct BenchOptions {
   std::string backend = "auto";  // auto | cpu | cpu-reference | cuda
-  std::string suite = "standard";  // quick | standard
+  std::string suite = "standard";  // quick | standard | plan (plan() host time, no kernels)
   std::string filter;             // substring of the case name; empty: all
   std::string json_path;
   DType dtype = DType::kBFloat16;

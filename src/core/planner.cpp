@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
-#include <queue>
 #include <sstream>
 
 #include "core/validate.hpp"
@@ -48,6 +46,250 @@ void tile_key_range(const MaskSpec& mask, int32_t q_start, int32_t q_len, int32_
 
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
+// One (request, q tile): the num_kv_heads work items of the unsplit plan share all of it.
+struct QueryTile {
+  int32_t request = 0;
+  int32_t q_start = 0;
+  int32_t q_len = 0;
+  int32_t kv_start = 0;
+  int32_t kv_end = 0;
+  double cost = 0;
+};
+
+struct SplitPolicy {
+  double target = 0;  // piece cost aimed at
+  bool round_up = true;
+};
+
+// Keys per piece of `tile` under `policy` (>= the key range: not split).
+int32_t split_chunk(const QueryTile& tile, const PlanConfig& config, const SplitPolicy& policy) {
+  const int32_t range = tile.kv_end - tile.kv_start;
+  if (!config.split_kv || range <= config.min_kv_chunk) return range;
+  if (config.deterministic) return config.min_kv_chunk;
+  if (!(tile.cost > policy.target)) return range;
+  const double ratio = tile.cost / policy.target;
+  const int32_t by_cost =
+      static_cast<int32_t>(policy.round_up ? std::ceil(ratio) : std::round(ratio));
+  const int32_t by_size = ceil_div(range, config.min_kv_chunk);
+  const int32_t pieces = std::max(1, std::min(by_cost, by_size));
+  const int32_t chunk = std::max(
+      ceil_div(ceil_div(range, pieces), kSplitAlignment) * kSplitAlignment, config.min_kv_chunk);
+  return std::min(chunk, range);  // one piece: always `range`, so equal cuts compare equal
+}
+
+// Piece `index` of a tile cut into `chunk`-key pieces: deterministic cuts at absolute multiples
+// of chunk, otherwise from kv_start.
+void piece_range(const QueryTile& tile, int32_t chunk, bool deterministic, int32_t index,
+                 int32_t* kv_start, int32_t* kv_end) {
+  const int64_t origin =
+      deterministic ? int64_t{tile.kv_start} / chunk * chunk : int64_t{tile.kv_start};
+  const int64_t start = origin + int64_t{index} * chunk;
+  *kv_start = static_cast<int32_t>(std::max<int64_t>(start, tile.kv_start));
+  *kv_end = static_cast<int32_t>(std::min<int64_t>(start + chunk, tile.kv_end));
+}
+
+int32_t piece_count(const QueryTile& tile, int32_t chunk, bool deterministic) {
+  if (chunk >= tile.kv_end - tile.kv_start) return 1;
+  if (deterministic) return (tile.kv_end - 1) / chunk - tile.kv_start / chunk + 1;
+  return ceil_div(tile.kv_end - tile.kv_start, chunk);
+}
+
+// One piece of a query tile's key range; it stands for num_kv_heads work items of equal cost.
+struct Piece {
+  double cost = 0;
+  int32_t tile = 0;
+  int32_t index = 0;  // piece within the tile
+  int32_t kv_start = 0;
+  int32_t kv_end = 0;
+};
+
+// A split candidate: the chunk of every tile, its pieces longest first, the LPT schedule.
+struct Candidate {
+  std::vector<int32_t> chunks;  // per query tile
+  std::vector<Piece> pieces;    // sorted: cost descending, then tile, then piece
+  int64_t num_items = 0;        // pieces x kv heads
+  double item_cost_sum = 0;     // over all items
+  double largest = 0;           // cost of the largest item
+  std::vector<int32_t> owner;   // worker of each item, in for_each_item order
+  std::vector<double> worker_cost;
+  double makespan = 0;
+
+  // No schedule's busiest worker carries less than its largest item or the mean load.
+  double lower_bound(int32_t workers) const {
+    return std::max(largest, item_cost_sum / workers);
+  }
+};
+
+// The candidate's pieces, their costs and the bound's inputs.
+void list_pieces(const std::vector<QueryTile>& tiles, const PlanConfig& config,
+                 const MaskSpec& mask, const PlanShape& shape, int32_t group, int32_t heads,
+                 Candidate* c) {
+  c->pieces.clear();
+  c->item_cost_sum = 0;
+  c->largest = 0;
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const QueryTile& tile = tiles[i];
+    const int32_t count = piece_count(tile, c->chunks[i], config.deterministic);
+    for (int32_t p = 0; p < count; ++p) {
+      Piece piece;
+      piece.tile = static_cast<int32_t>(i);
+      piece.index = p;
+      if (count == 1) {
+        piece.kv_start = tile.kv_start;
+        piece.kv_end = tile.kv_end;
+        piece.cost = tile.cost;
+      } else {
+        piece_range(tile, c->chunks[i], config.deterministic, p, &piece.kv_start, &piece.kv_end);
+        const WorkItem item{tile.request, 0,        tile.q_start, tile.q_len,
+                            piece.kv_start, piece.kv_end, -1};
+        piece.cost = work_item_cost(item, mask, shape.q_lens[tile.request],
+                                    shape.kv_lens[tile.request], group);
+      }
+      for (int32_t h = 0; h < heads; ++h) c->item_cost_sum += piece.cost;
+      c->largest = std::max(c->largest, piece.cost);
+      c->pieces.push_back(piece);
+    }
+  }
+  c->num_items = static_cast<int64_t>(c->pieces.size()) * heads;
+}
+
+// Calls f(piece, kv_head) for the candidate's items longest first; equal costs in the order the
+// items are made (request, q tile, kv head, piece), i.e. what a stable sort of that list gives.
+// Pieces are sorted by (cost desc, tile, piece), so equal-cost pieces of one tile are adjacent:
+// they are expanded kv head by kv head.
+template <class F>
+void for_each_item(const Candidate& c, int32_t heads, F&& f) {
+  const std::vector<Piece>& pieces = c.pieces;
+  for (size_t run = 0; run < pieces.size();) {
+    size_t end = run + 1;
+    while (end < pieces.size() && pieces[end].cost == pieces[run].cost &&
+           pieces[end].tile == pieces[run].tile) {
+      ++end;
+    }
+    for (int32_t h = 0; h < heads; ++h) {
+      for (size_t p = run; p < end; ++p) f(pieces[p], h);
+    }
+    run = end;
+  }
+}
+
+// 3. LPT: longest item first onto the least-loaded worker (ties: lowest index), so the plan is
+//    deterministic and the most expensive items start first.
+//
+// Costs are whole numbers (pairs x group + keys x kCostPerKeyRead + kCostPerItem), so loads are
+// kept exactly as int64 (the same values a double sum has below 2^53). (load, worker) is a
+// total order, so any min-heap gives the same schedule as any other; this one replaces its top
+// in place (one sift per item). The first items go to idle workers 0, 1, ... (costs are > 0),
+// and a long run of equal-cost items is given out without the heap (assign_level_by_level).
+static_assert(kCostPerKeyRead == static_cast<int64_t>(kCostPerKeyRead) &&
+                  kCostPerItem == static_cast<int64_t>(kCostPerItem) && kCostPerItem > 0,
+              "the scheduler sums costs exactly as integers");
+
+class LptWorkers {
+ public:
+  explicit LptWorkers(int32_t workers) : heap_(workers) {}
+
+  // Gives `count` items of cost `cost` out one by one, writing each one's worker to owner[i].
+  void assign(int64_t cost, int64_t count, int32_t* owner) {
+    const int32_t workers = static_cast<int32_t>(heap_.size());
+    for (; count > 0 && idle_ < workers; --count) {  // idle workers first, in index order
+      heap_[idle_] = {cost, idle_};
+      *owner++ = idle_++;
+      if (idle_ == workers) make_heap();
+    }
+    if (count == 0) return;
+    if (count >= workers && assign_level_by_level(cost, count, owner)) return;
+    for (; count > 0; --count) {
+      *owner++ = heap_[0].worker;
+      heap_[0].load += cost;
+      sift_down(0);
+    }
+  }
+
+  // Loads of workers 0..n-1.
+  void loads(std::vector<double>* out) const {
+    out->assign(heap_.size(), 0.0);
+    for (int32_t i = 0; i < idle_; ++i) (*out)[heap_[i].worker] = static_cast<double>(heap_[i].load);
+  }
+
+ private:
+  struct Load {
+    int64_t load;
+    int32_t worker;
+    bool operator<(const Load& other) const {
+      return load < other.load || (load == other.load && worker < other.worker);
+    }
+  };
+
+  void sift_down(size_t i) {
+    const size_t n = heap_.size();
+    const Load moving = heap_[i];
+    for (size_t child = 2 * i + 1; child < n; child = 2 * i + 1) {
+      if (child + 1 < n && heap_[child + 1] < heap_[child]) ++child;
+      if (!(heap_[child] < moving)) break;
+      heap_[i] = heap_[child];
+      i = child;
+    }
+    heap_[i] = moving;
+  }
+  void make_heap() {
+    for (size_t i = heap_.size() / 2; i-- > 0;) sift_down(i);
+  }
+
+  // Equal costs c: worker w's loads are L_w, L_w + c, L_w + 2c, ..., and the heap hands items
+  // out in the order of (load, worker) over all of those. Writing L_w = level_w * c + rest_w
+  // (0 <= rest_w < c), that is level by level, and within a level the workers that have
+  // reached it ordered by (rest_w, w): one sort instead of a sift per item. Used (returns
+  // true) when the levels of the loads are close enough that few passes over the workers are
+  // empty.
+  bool assign_level_by_level(int64_t cost, int64_t count, int32_t* owner) {
+    const int64_t workers = static_cast<int64_t>(heap_.size());
+    int64_t low = heap_[0].load, high = heap_[0].load;
+    for (const Load& entry : heap_) high = std::max(high, entry.load);
+    if ((high / cost - low / cost) * workers > 4 * count) return false;
+    std::sort(heap_.begin(), heap_.end(), [cost](const Load& a, const Load& b) {
+      const int64_t ra = a.load % cost, rb = b.load % cost;
+      return ra < rb || (ra == rb && a.worker < b.worker);
+    });
+    // Level `level` holds loads in [level * c, (level + 1) * c); a worker given an item moves
+    // to the next level.
+    for (int64_t next_level = (low / cost + 1) * cost; count > 0; next_level += cost) {
+      for (Load& entry : heap_) {
+        if (entry.load >= next_level) continue;
+        *owner++ = entry.worker;
+        entry.load += cost;
+        if (--count == 0) break;
+      }
+    }
+    make_heap();
+    return true;
+  }
+
+  std::vector<Load> heap_;  // a min-heap once every worker has had an item
+  int32_t idle_ = 0;        // workers idle_.. have had no item yet
+};
+
+void schedule(Candidate& c, int32_t heads, int32_t workers) {
+  std::sort(c.pieces.begin(), c.pieces.end(), [](const Piece& a, const Piece& b) {
+    if (a.cost != b.cost) return a.cost > b.cost;
+    return a.tile != b.tile ? a.tile < b.tile : a.index < b.index;
+  });
+  c.owner.resize(static_cast<size_t>(c.num_items));
+  LptWorkers lpt(workers);
+  // for_each_item's order keeps the items of equal-cost pieces together: one run each.
+  int64_t position = 0;
+  for (size_t run = 0; run < c.pieces.size();) {
+    size_t end = run + 1;
+    while (end < c.pieces.size() && c.pieces[end].cost == c.pieces[run].cost) ++end;
+    const int64_t count = static_cast<int64_t>(end - run) * heads;
+    lpt.assign(static_cast<int64_t>(c.pieces[run].cost), count, c.owner.data() + position);
+    position += count;
+    run = end;
+  }
+  lpt.loads(&c.worker_cost);
+  c.makespan = *std::max_element(c.worker_cost.begin(), c.worker_cost.end());
+}
+
 }  // namespace
 
 PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_kv_len,
@@ -68,10 +310,23 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
   const auto clamp32 = [](int64_t x) {
     return static_cast<int32_t>(std::clamp<int64_t>(x, 1, INT32_MAX));
   };
-  capacity.max_work_items = clamp32(tiles * pieces);
-  capacity.max_merges = can_split ? clamp32(tiles) : 0;
+  int64_t work_items = tiles * pieces;
   // Rows of one tile = its tokens x group; summed over the tiles of one kv head = total_q x group.
-  capacity.max_partial_rows = can_split ? max_total_q * num_qo_heads * pieces : 0;
+  int64_t partial_rows = can_split ? max_total_q * num_qo_heads * pieces : 0;
+  if (can_split && !config.deterministic) {
+    // Balanced splits are bounded by the worker count too: every policy of make_plan cuts a
+    // tile of cost c into at most round(c / target) or ceil(c / target) pieces with
+    // target >= fair share / 3 = total cost / (3 workers), so a tile has at most
+    // 3 c / fair + 1 pieces and the plan at most 3 workers + tiles items in all, whatever the
+    // lengths. This keeps graph workspaces small when min_kv_chunk is small.
+    const int64_t by_workers = 3 * int64_t{config.num_workers} + tiles;
+    const int64_t rows_per_tile = std::min<int64_t>(config.q_tile_rows, tokens_per_tile * group);
+    work_items = std::min(work_items, by_workers);
+    partial_rows = std::min(partial_rows, by_workers * rows_per_tile);
+  }
+  capacity.max_work_items = clamp32(work_items);
+  capacity.max_merges = can_split ? clamp32(tiles) : 0;
+  capacity.max_partial_rows = partial_rows;
   if (capacity.max_partial_rows == 0) capacity.max_merges = 0;
   return capacity;
 }
@@ -119,24 +374,30 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
 
   const MaskSpec mask = mask_of(shape.options);
   const int32_t tokens_per_tile = std::max(1, config.q_tile_rows / group);
+  const int32_t heads = shape.num_kv_heads;
 
-  // 1. Tiles, each with the key range its rows can see.
-  std::vector<WorkItem> tiles;
-  std::vector<double> tile_costs;
+  // 1. Query tiles, each with the key range its rows can see. The num_kv_heads tiles of one
+  //    (request, q tile) cost the same, so everything below works per query tile and expands
+  //    to the kv heads only when scheduling.
+  std::vector<QueryTile> tiles;
   double total_cost = 0;
+  {
+    int64_t count = 0;
+    for (int32_t q_len : shape.q_lens) count += (q_len + tokens_per_tile - 1) / tokens_per_tile;
+    tiles.reserve(static_cast<size_t>(count));
+  }
   for (int32_t b = 0; b < plan.batch_size; ++b) {
     const int32_t q_len = shape.q_lens[b], kv_len = shape.kv_lens[b];
     for (int32_t q_start = 0; q_start < q_len; q_start += tokens_per_tile) {
-      const int32_t tile_len = std::min(tokens_per_tile, q_len - q_start);
-      int32_t kv_start, kv_end;
-      tile_key_range(mask, q_start, tile_len, q_len, kv_len, &kv_start, &kv_end);
-      for (int32_t h = 0; h < shape.num_kv_heads; ++h) {
-        WorkItem item{b, h, q_start, tile_len, kv_start, kv_end, -1};
-        const double cost = work_item_cost(item, mask, q_len, kv_len, group);
-        tiles.push_back(item);
-        tile_costs.push_back(cost);
-        total_cost += cost;
-      }
+      QueryTile tile;
+      tile.request = b;
+      tile.q_start = q_start;
+      tile.q_len = std::min(tokens_per_tile, q_len - q_start);
+      tile_key_range(mask, q_start, tile.q_len, q_len, kv_len, &tile.kv_start, &tile.kv_end);
+      const WorkItem item{b, 0, q_start, tile.q_len, tile.kv_start, tile.kv_end, -1};
+      tile.cost = work_item_cost(item, mask, q_len, kv_len, group);
+      for (int32_t h = 0; h < heads; ++h) total_cost += tile.cost;  // same sum as per item
+      tiles.push_back(tile);
     }
   }
 
@@ -148,11 +409,14 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   //    fewer pieces). Rounding the piece count to the nearest integer rather than up matters for
   //    uniform batches: 128 tiles of 2.06 fair shares on 264 workers make 256 pieces of 1.03
   //    (one per worker) instead of 384 of 0.69 (two on some workers, 1.37).
+  //
+  //    plan() runs once per serving step, so the search is kept cheap without changing its
+  //    result (tests/test_planner.cpp compares it with a direct implementation): a policy
+  //    whose cuts equal an earlier policy's (the usual case: no tile exceeds any target) is
+  //    skipped, as is one whose lower bound on the busiest worker (its largest piece, its mean
+  //    load) already loses to the best so far; only costs are scheduled while searching, the
+  //    work items are built once for the winner.
   const double fair_share = total_cost / config.num_workers;
-  struct SplitPolicy {
-    double target = 0;  // piece cost aimed at
-    bool round_up = true;
-  };
   std::vector<SplitPolicy> policies;
   if (!config.split_kv || config.deterministic) {
     policies.push_back({fair_share, true});
@@ -160,121 +424,63 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
     policies = {{fair_share, true}, {fair_share, false}, {fair_share / 2, false},
                 {fair_share / 3, false}};
   }
-  struct Candidate {
-    std::vector<WorkItem> work;
-    std::vector<double> costs;
-    std::vector<MergeItem> merges;
-    int64_t partial_rows = 0;
-    std::vector<int32_t> owner;  // worker of each item
-    std::vector<int32_t> order;  // items, longest first
-    std::vector<double> worker_cost;
-    double makespan = 0;
-  };
-  const auto split_and_schedule = [&](const SplitPolicy& policy) {
-    Candidate c;
-    for (size_t i = 0; i < tiles.size(); ++i) {
-      const WorkItem& tile = tiles[i];
-      const int32_t range = tile.kv_end - tile.kv_start;
-      int32_t chunk = range;
-      if (config.split_kv && range > config.min_kv_chunk) {
-        if (config.deterministic) {
-          chunk = config.min_kv_chunk;
-        } else if (tile_costs[i] > policy.target) {
-          const double ratio = tile_costs[i] / policy.target;
-          const int32_t by_cost = static_cast<int32_t>(policy.round_up ? std::ceil(ratio)
-                                                                       : std::round(ratio));
-          const int32_t by_size = ceil_div(range, config.min_kv_chunk);
-          const int32_t pieces = std::max(1, std::min(by_cost, by_size));
-          chunk = ceil_div(ceil_div(range, pieces), kSplitAlignment) * kSplitAlignment;
-          chunk = std::max(chunk, config.min_kv_chunk);
-        }
-      }
-      std::vector<WorkItem> pieces;
-      if (chunk >= range) {
-        pieces.push_back(tile);
-      } else {
-        // Deterministic: boundaries at absolute multiples of chunk; otherwise from kv_start.
-        int32_t start = tile.kv_start;
-        while (start < tile.kv_end) {
-          int32_t end = config.deterministic ? (start / chunk + 1) * chunk : start + chunk;
-          end = std::min(end, tile.kv_end);
-          WorkItem piece = tile;
-          piece.kv_start = start;
-          piece.kv_end = end;
-          pieces.push_back(piece);
-          start = end;
-        }
-      }
-      if (pieces.size() > 1) {
-        const int32_t rows = tile.q_len * group;
-        MergeItem merge{tile.request, tile.kv_head, tile.q_start, tile.q_len,
-                        static_cast<int32_t>(c.partial_rows), static_cast<int32_t>(pieces.size())};
-        for (size_t p = 0; p < pieces.size(); ++p) {
-          pieces[p].partial_row = static_cast<int32_t>(c.partial_rows + p * rows);
-          pieces[p].merge_index = static_cast<int32_t>(c.merges.size());
-        }
-        c.partial_rows += static_cast<int64_t>(rows) * pieces.size();
-        c.merges.push_back(merge);
-      }
-      for (const WorkItem& piece : pieces) {
-        const int32_t b = piece.request;
-        c.work.push_back(piece);
-        c.costs.push_back(pieces.size() == 1 ? tile_costs[i]
-                                             : work_item_cost(piece, mask, shape.q_lens[b],
-                                                              shape.kv_lens[b], group));
-      }
-    }
-    // 3. LPT: longest item first onto the least-loaded worker (ties: lowest index), so the plan
-    //    is deterministic and the most expensive items start first.
-    c.order.resize(c.work.size());
-    for (size_t i = 0; i < c.order.size(); ++i) c.order[i] = static_cast<int32_t>(i);
-    std::stable_sort(c.order.begin(), c.order.end(),
-                     [&](int32_t a, int32_t b) { return c.costs[a] > c.costs[b]; });
-    using Load = std::pair<double, int32_t>;
-    std::priority_queue<Load, std::vector<Load>, std::greater<Load>> loads;
-    for (int32_t w = 0; w < config.num_workers; ++w) loads.push({0.0, w});
-    c.owner.resize(c.work.size());
-    c.worker_cost.assign(config.num_workers, 0.0);
-    for (int32_t index : c.order) {
-      auto [load, worker] = loads.top();
-      loads.pop();
-      c.owner[index] = worker;
-      c.worker_cost[worker] = load + c.costs[index];
-      loads.push({c.worker_cost[worker], worker});
-    }
-    c.makespan = c.worker_cost.empty()
-                     ? 0.0
-                     : *std::max_element(c.worker_cost.begin(), c.worker_cost.end());
-    return c;
-  };
-  Candidate best = split_and_schedule(policies[0]);
-  for (size_t p = 1; p < policies.size(); ++p) {
-    Candidate other = split_and_schedule(policies[p]);
+  std::vector<std::vector<int32_t>> chunks_seen;  // per policy tried: the chunk of every tile
+  Candidate best, trial;
+  for (const SplitPolicy& policy : policies) {
+    std::vector<int32_t> chunks(tiles.size());
+    for (size_t i = 0; i < tiles.size(); ++i) chunks[i] = split_chunk(tiles[i], config, policy);
+    if (std::find(chunks_seen.begin(), chunks_seen.end(), chunks) != chunks_seen.end()) continue;
+    chunks_seen.push_back(chunks);
+    const bool first = chunks_seen.size() == 1;
+    trial.chunks = std::move(chunks);
+    list_pieces(tiles, config, mask, shape, group, heads, &trial);
     // A relative margin so that rounding noise never trades balance for more pieces.
-    if (other.makespan < best.makespan * (1.0 - 1e-9) ||
-        (other.makespan <= best.makespan * (1.0 + 1e-9) && other.work.size() < best.work.size())) {
-      best = std::move(other);
+    if (!first && trial.lower_bound(config.num_workers) > best.makespan * (1.0 + 1e-9)) continue;
+    schedule(trial, heads, config.num_workers);
+    if (first || trial.makespan < best.makespan * (1.0 - 1e-9) ||
+        (trial.makespan <= best.makespan * (1.0 + 1e-9) && trial.num_items < best.num_items)) {
+      std::swap(best, trial);
     }
   }
-  std::vector<WorkItem>& work = plan.work;
-  work = std::move(best.work);
-  plan.merges = std::move(best.merges);
-  plan.num_partial_rows = best.partial_rows;
-  const std::vector<int32_t>& order = best.order;
-  const std::vector<int32_t>& owner = best.owner;
-  const std::vector<double>& worker_cost = best.worker_cost;
 
-  // Group by worker, keeping each worker's items in longest-first order.
-  std::vector<int32_t> count(config.num_workers + 1, 0);
-  for (int32_t index : order) ++count[owner[index] + 1];
-  plan.worker_indptr.assign(config.num_workers + 1, 0);
-  for (int32_t w = 0; w < config.num_workers; ++w) {
-    plan.worker_indptr[w + 1] = plan.worker_indptr[w] + count[w + 1];
+  // The winner's work items: merges and partial rows in (request, q tile, kv head) order,
+  // items grouped by worker, each worker's items in longest-first order.
+  std::vector<int32_t> first_merge(tiles.size()), pieces_of(tiles.size());
+  std::vector<int64_t> first_partial_row(tiles.size());
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    const QueryTile& tile = tiles[i];
+    pieces_of[i] = piece_count(tile, best.chunks[i], config.deterministic);
+    first_merge[i] = static_cast<int32_t>(plan.merges.size());
+    first_partial_row[i] = plan.num_partial_rows;
+    if (pieces_of[i] == 1) continue;
+    const int32_t rows = tile.q_len * group;
+    for (int32_t h = 0; h < heads; ++h) {
+      plan.merges.push_back({tile.request, h, tile.q_start, tile.q_len,
+                             static_cast<int32_t>(plan.num_partial_rows), pieces_of[i]});
+      plan.num_partial_rows += static_cast<int64_t>(rows) * pieces_of[i];
+    }
   }
-  std::vector<WorkItem> ordered(work.size());
+  plan.worker_indptr.assign(config.num_workers + 1, 0);
+  for (int32_t worker : best.owner) ++plan.worker_indptr[worker + 1];
+  for (int32_t w = 0; w < config.num_workers; ++w) {
+    plan.worker_indptr[w + 1] += plan.worker_indptr[w];
+  }
   std::vector<int32_t> cursor(plan.worker_indptr.begin(), plan.worker_indptr.end() - 1);
-  for (int32_t index : order) ordered[cursor[owner[index]]++] = work[index];
-  work = std::move(ordered);
+  plan.work.resize(best.owner.size());
+  size_t position = 0;
+  for_each_item(best, heads, [&](const Piece& piece, int32_t h) {
+    const QueryTile& tile = tiles[piece.tile];
+    WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end, -1};
+    if (pieces_of[piece.tile] > 1) {
+      const int64_t rows = int64_t{tile.q_len} * group;
+      item.partial_row = static_cast<int32_t>(first_partial_row[piece.tile] +
+                                              (int64_t{h} * pieces_of[piece.tile] + piece.index) *
+                                                  rows);
+      item.merge_index = first_merge[piece.tile] + h;
+    }
+    plan.work[cursor[best.owner[position++]]++] = item;
+  });
+  const std::vector<double>& worker_cost = best.worker_cost;
 
   plan.total_cost = total_cost;
   plan.max_worker_cost =
