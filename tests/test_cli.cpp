@@ -1,5 +1,6 @@
-// The tessera command end to end: bench (CPU, quick suite, JSON), plan --explain, check, and a
-// bad flag giving a clear error.
+// The tessera command end to end: bench (CPU, quick suite, JSON), plan --explain (prefill and
+// decode; the decode kernel note on a GPU), check, tune without a GPU, and a bad flag giving a
+// clear error.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -24,8 +25,10 @@ struct Result {
   std::string output;
 };
 
-Result run(const std::string& args) {
-  const std::string command = cli_path() + " " + args + " 2>&1";
+// `environment`: assignments put before the command, e.g. "CUDA_VISIBLE_DEVICES=-1".
+Result run(const std::string& args, const std::string& environment = "") {
+  const std::string command =
+      (environment.empty() ? "" : environment + " ") + cli_path() + " " + args + " 2>&1";
   Result result{-1, ""};
   FILE* pipe = popen(command.c_str(), "r");
   if (!pipe) return result;
@@ -67,6 +70,73 @@ TEST_F(Cli, PlanExplainDescribesTheWorkPartition) {
   EXPECT_NE(result.output.find("batch 8"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("group 4"), std::string::npos);
   EXPECT_NE(result.output.find("imbalance"), std::string::npos);
+}
+
+TEST_F(Cli, PlanExplainOfADecodeNamesTheKernel) {
+  const Result result = run(
+      "plan --backend cpu --op decode --kv-lens 1x32768,15x4096 --heads 32 --kv-heads 8 "
+      "--explain");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("decode"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("batch 16"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("kernel: CPU"), std::string::npos) << result.output;
+}
+
+// On a GPU: the decode note names the kernel family, the minimum chunk and where each came
+// from; a tuning file entry for this device (TESSERA_TUNE_FILE) and the environment show up.
+TEST_F(Cli, PlanExplainOfADecodeOnTheGpuNamesTheTuningSources) {
+  const Result info = run("info");
+  if (info.output.find("cuda devices: 0") != std::string::npos ||
+      info.output.find("cuda devices:") == std::string::npos) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  const std::string plan = "plan --backend cuda --op decode --kv-lens 4x4096 --heads 32 "
+                           "--kv-heads 8 --head-dim 128 --explain";
+  const std::filesystem::path missing =
+      std::filesystem::temp_directory_path() / "tessera_cli_no_tune_file.txt";
+  std::filesystem::remove(missing);
+  Result result = run(plan, "TESSERA_DECODE_VARIANT= TESSERA_DECODE_MIN_CHUNK= "
+                            "TESSERA_DECODE_KERNEL= TESSERA_TUNE_FILE=" + missing.string());
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("tensor-core mma variant 1"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("keys, from built-in default (no tuning file"),
+            std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("at run time"), std::string::npos) << result.output;
+
+  // The device name as `info` prints it: "cuda:0 NAME sm_XY, N SMs".
+  const size_t begin = info.output.find("cuda:0 ");
+  const size_t end = info.output.find(" sm_", begin);
+  ASSERT_NE(end, std::string::npos) << info.output;
+  const std::string name = info.output.substr(begin + 7, end - begin - 7);
+  const std::filesystem::path file =
+      std::filesystem::temp_directory_path() / "tessera_cli_tune_file.txt";
+  std::ofstream(file) << "tessera-tune 1\ndecode device=\"" << name
+                      << "\" head_dim=128 group=4 kv=bf16 variant=3 min_chunk=256\n";
+  result = run(plan, "TESSERA_DECODE_VARIANT= TESSERA_DECODE_MIN_CHUNK= TESSERA_DECODE_KERNEL= "
+                     "TESSERA_TUNE_FILE=" + file.string());
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("tensor-core mma variant 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("warps 2, stages 6"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("chunk 256 keys, from tuning file " + file.string()),
+            std::string::npos) << result.output;
+  result = run(plan, "TESSERA_DECODE_VARIANT=0 TESSERA_DECODE_MIN_CHUNK= TESSERA_DECODE_KERNEL= "
+                     "TESSERA_TUNE_FILE=" + file.string());
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("CUDA-core kernel (variant 0"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("variant from TESSERA_DECODE_VARIANT"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("chunk 256 keys, from tuning file"), std::string::npos)
+      << result.output;
+  std::filesystem::remove(file);
+}
+
+TEST_F(Cli, TuneWithoutAGpuExitsWithAClearMessage) {
+  // CUDA_VISIBLE_DEVICES=-1 hides every GPU, so this runs the same with or without one.
+  const Result result = run("tune --dry-run", "CUDA_VISIBLE_DEVICES=-1");
+  EXPECT_NE(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("tune needs a CUDA device; none visible"), std::string::npos)
+      << result.output;
 }
 
 TEST_F(Cli, CheckRunsTheCorrectnessSweep) {

@@ -25,8 +25,6 @@
 namespace tessera::cli {
 namespace {
 
-// Relative L2 error above which a sampled check fails (bf16/fp16 operands).
-constexpr double kMaxRelError = 1e-2;
 // Query tokens and heads sampled per checked request.
 constexpr int kSampledTokens = 6;
 constexpr int kSampledHeads = 3;
@@ -39,21 +37,6 @@ std::string format_double(double value, int precision) {
 
 // ---- problem construction ----
 
-struct BenchProblem {
-  BenchCase spec;
-  Device device;
-  DType dtype;
-  std::vector<int32_t> qo_indptr, kv_indptr, page_indptr, page_indices, last_page_len;
-  Buffer q, k, v, o, lse, qo_indptr_buf, kv_indptr_buf, page_indptr_buf, page_indices_buf,
-      last_page_len_buf, workspace;
-  int64_t total_q = 0, total_kv = 0, num_pages = 0;
-  TensorView q_view, k_view, v_view, o_view, lse_view, qo_view, kv_view;
-  PagedKVCache paged;
-  Plan plan;
-
-  bool is_paged() const { return spec.op != AttentionOp::kRaggedPrefill; }
-};
-
 Buffer int_buffer(Device device, const std::vector<int32_t>& values) {
   Buffer buffer(device, std::max<size_t>(values.size(), 1) * sizeof(int32_t));
   if (!values.empty()) buffer.copy_from_host(values.data(), values.size() * sizeof(int32_t));
@@ -63,6 +46,8 @@ Buffer int_buffer(Device device, const std::vector<int32_t>& values) {
 TensorView int_view(const Buffer& buffer, size_t count, Device device) {
   return make_view(buffer.data(), DType::kInt32, {static_cast<int64_t>(count)}, device);
 }
+
+}  // namespace
 
 void build_problem(BenchProblem& p, uint64_t seed) {
   const BenchCase& c = p.spec;
@@ -147,7 +132,7 @@ void build_problem(BenchProblem& p, uint64_t seed) {
   }
 }
 
-void run_once(BenchProblem& p, void* stream = nullptr) {
+void run_once(BenchProblem& p, void* stream) {
   const Workspace workspace{p.workspace.data(), p.workspace.bytes()};
   // Checked cases time the index validation with the call (restored afterwards).
   struct CheckingScope {
@@ -172,23 +157,16 @@ void run_once(BenchProblem& p, void* stream = nullptr) {
 
 // ---- sampled correctness check ----
 
-// Copies request b's q rows, K/V rows and o/lse rows to the host and compares sampled rows
-// with the double-precision oracle. Returns the largest relative L2 error; counts NaNs in all
-// of the request's output rows.
-double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* nan_count) {
+SampledReference sampled_reference(const BenchProblem& p, int b, std::mt19937_64& rng) {
   const BenchCase& c = p.spec;
   const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
   const int64_t q_row = static_cast<int64_t>(c.num_qo_heads) * c.head_dim;
   const int64_t kv_row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
   const int64_t q_begin = p.qo_indptr[b];
   const int q_len = c.q_len_of(b), kv_len = c.kv_len_of(b);
-  std::vector<uint8_t> q(q_len * q_row * elem), o(q_len * q_row * elem);
-  std::vector<float> lse(static_cast<size_t>(q_len) * c.num_qo_heads);
+  std::vector<uint8_t> q(q_len * q_row * elem);
   std::vector<uint8_t> k(static_cast<size_t>(kv_len) * kv_row * elem), v(k.size());
   p.q.copy_to_host(q.data(), q.size(), q_begin * q_row * elem);
-  p.o.copy_to_host(o.data(), o.size(), q_begin * q_row * elem);
-  p.lse.copy_to_host(lse.data(), lse.size() * sizeof(float),
-                     q_begin * c.num_qo_heads * sizeof(float));
   if (p.is_paged()) {
     // NHD pages of one request, concatenated in page-table order, are its ragged K/V rows.
     const int64_t page_bytes = static_cast<int64_t>(c.page_size) * kv_row * elem;
@@ -201,9 +179,6 @@ double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* na
   } else {
     p.k.copy_to_host(k.data(), k.size(), p.kv_indptr[b] * kv_row * elem);
     p.v.copy_to_host(v.data(), v.size(), p.kv_indptr[b] * kv_row * elem);
-  }
-  for (int64_t i = 0; i < q_len * q_row; ++i) {
-    *nan_count += std::isnan(detail::load_as_float(o.data(), p.dtype, i));
   }
   const int32_t qo_indptr[2] = {0, q_len}, kv_indptr[2] = {0, kv_len};
   detail::AttentionProblem host;
@@ -225,7 +200,9 @@ double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* na
   host.sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   host.mask.causal = c.causal;
 
-  std::vector<detail::ReferenceRow> rows;
+  SampledReference reference;
+  reference.request = b;
+  std::vector<detail::ReferenceRow>& rows = reference.rows;
   std::uniform_int_distribution<int> token_dist(0, q_len - 1), head_dist(0, c.num_qo_heads - 1);
   for (int t = 0; t < kSampledTokens; ++t) {
     const int token = t == 0 ? 0 : t == 1 ? q_len - 1 : token_dist(rng);
@@ -234,8 +211,27 @@ double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* na
       rows.push_back({0, token, head});
     }
   }
-  std::vector<double> ref_o, ref_lse;
-  detail::cpu_reference_rows(host, rows, &ref_o, &ref_lse);
+  detail::cpu_reference_rows(host, rows, &reference.o, &reference.lse);
+  return reference;
+}
+
+double sampled_error(const BenchProblem& p, const SampledReference& reference, int* nan_count) {
+  const BenchCase& c = p.spec;
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  const int64_t q_row = static_cast<int64_t>(c.num_qo_heads) * c.head_dim;
+  const int64_t q_begin = p.qo_indptr[reference.request];
+  const int q_len = c.q_len_of(reference.request);
+  std::vector<uint8_t> o(q_len * q_row * elem);
+  std::vector<float> lse(static_cast<size_t>(q_len) * c.num_qo_heads);
+  p.o.copy_to_host(o.data(), o.size(), q_begin * q_row * elem);
+  p.lse.copy_to_host(lse.data(), lse.size() * sizeof(float),
+                     q_begin * c.num_qo_heads * sizeof(float));
+  for (int64_t i = 0; i < q_len * q_row; ++i) {
+    *nan_count += std::isnan(detail::load_as_float(o.data(), p.dtype, i));
+  }
+  const std::vector<detail::ReferenceRow>& rows = reference.rows;
+  const std::vector<double>& ref_o = reference.o;
+  const std::vector<double>& ref_lse = reference.lse;
   double worst = 0;
   for (size_t r = 0; r < rows.size(); ++r) {
     double diff = 0, norm = 0;
@@ -258,6 +254,12 @@ double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* na
   }
   return worst;
 }
+
+double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* nan_count) {
+  return sampled_error(p, sampled_reference(p, b, rng), nan_count);
+}
+
+namespace {
 
 double visible_pairs_of(const BenchCase& c, int q_len, int kv_len) {
   detail::MaskSpec mask;
@@ -310,6 +312,8 @@ void launch_on_stream(void* context, void* stream) {
 constexpr size_t kL2FlushBytes = 256ull << 20;
 #endif
 
+}  // namespace
+
 double time_ms(BenchProblem& p, int iterations) {
   if (p.device.type == DeviceType::kCPU) return time_cpu_ms(p, iterations);
 #if defined(TESSERA_HAVE_CUDA)
@@ -322,6 +326,8 @@ double time_ms(BenchProblem& p, int iterations) {
   return 0;
 #endif
 }
+
+namespace {
 
 // ---- suites ----
 

@@ -4,9 +4,12 @@
 #pragma once
 
 #include <algorithm>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "cli/buffers.hpp"
+#include "cpu/reference.hpp"
 #include "tessera/attention.hpp"
 #include "tessera/types.hpp"
 
@@ -69,5 +72,52 @@ struct BenchResult {
 Device resolve_backend(const std::string& backend, bool* reference = nullptr);
 std::vector<BenchCase> bench_suite(const std::string& suite, Device device);
 int run_bench(const BenchOptions& options);
+
+// ---- the pieces of a bench case, shared with `tessera tune` ----
+
+// Relative L2 error above which a sampled check fails (bf16/fp16 operands).
+inline constexpr double kMaxRelError = 1e-2;
+
+// One case's inputs and outputs on the device, its plan and its workspace.
+struct BenchProblem {
+  BenchCase spec;
+  Device device;
+  DType dtype;
+  std::vector<int32_t> qo_indptr, kv_indptr, page_indptr, page_indices, last_page_len;
+  Buffer q, k, v, o, lse, qo_indptr_buf, kv_indptr_buf, page_indptr_buf, page_indices_buf,
+      last_page_len_buf, workspace;
+  int64_t total_q = 0, total_kv = 0, num_pages = 0;
+  TensorView q_view, k_view, v_view, o_view, lse_view, qo_view, kv_view;
+  PagedKVCache paged;
+  Plan plan;
+
+  bool is_paged() const { return spec.op != AttentionOp::kRaggedPrefill; }
+};
+
+// Allocates and fills p's buffers for p.spec / p.device / p.dtype (random values from `seed`,
+// pages shuffled), plans it and uploads the plan (GPU).
+void build_problem(BenchProblem& p, uint64_t seed);
+// One call of the case's run_* (stream: a cudaStream_t, nullptr the default stream).
+void run_once(BenchProblem& p, void* stream = nullptr);
+
+// The double-precision oracle's o / lse for sampled (token, head) rows of request `request`,
+// from its q and K/V copied to the host; independent of the output, so computed once and
+// compared with many runs.
+struct SampledReference {
+  int request = 0;
+  std::vector<detail::ReferenceRow> rows;
+  std::vector<double> o, lse;  // rows x head_dim, rows
+};
+SampledReference sampled_reference(const BenchProblem& p, int request, std::mt19937_64& rng);
+// Largest relative L2 error of p's current output against `reference` (a wrong lse counts as
+// 1, NaN as infinity); adds the NaNs in all of the request's output rows to *nan_count.
+double sampled_error(const BenchProblem& p, const SampledReference& reference, int* nan_count);
+// Both of the above for request b.
+double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* nan_count);
+
+// Median milliseconds of `iterations` calls (0: automatic), as bench times them: on a GPU CUDA
+// events around each call after an L2 flush (detail::cuda_median_ms), or a graph replay for
+// graph cases.
+double time_ms(BenchProblem& p, int iterations);
 
 }  // namespace tessera::cli

@@ -1,4 +1,4 @@
-// The `tessera` command: bench (the main job), check, plan --explain, info.
+// The `tessera` command: bench (the main job), check, plan --explain, tune, info.
 #include <CLI/CLI.hpp>
 
 #include <cstdlib>
@@ -7,6 +7,7 @@
 
 #include "cli/bench.hpp"
 #include "cli/check.hpp"
+#include "cli/tune.hpp"
 #include "tessera/tessera.hpp"
 
 namespace {
@@ -96,6 +97,16 @@ int main(int argc, char** argv) {
   plan_cmd->add_flag("--causal", causal, "causal mask");
   plan_cmd->add_flag("--explain", explain, "print the work partition (default)");
 
+  cli::TuneOptions tune;
+  auto* tune_cmd = app.add_subcommand(
+      "tune", "Time the decode kernel variants on the GPU, write the tuning file decode reads");
+  tune_cmd->add_option("--out", tune.out_path,
+                       "tuning file to write (default: $TESSERA_TUNE_FILE, else "
+                       "$XDG_CACHE_HOME/tessera/tune.txt or ~/.cache/tessera/tune.txt)");
+  tune_cmd->add_flag("--dry-run", tune.dry_run, "measure and print only, write nothing");
+  tune_cmd->add_option("--iterations", tune.iterations, "timed runs per candidate and shape");
+  tune_cmd->add_flag("!--quiet", tune.progress, "no progress lines");
+
   auto* info_cmd = app.add_subcommand("info", "Describe the devices and the build");
 
   CLI11_PARSE(app, argc, argv);
@@ -106,6 +117,7 @@ int main(int argc, char** argv) {
       return cli::run_bench(bench);
     }
     if (*check_cmd) return cli::run_check(check);
+    if (*tune_cmd) return cli::run_tune(tune);
     if (*plan_cmd) {
       const Device device = cli::resolve_backend(backend);
       plan_options.causal = causal;

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/problem.hpp"
+#include "core/tuning.hpp"
 #include "tessera/attention.hpp"
 #include "tessera/ops.hpp"
 
@@ -34,6 +35,16 @@ PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, 
 // on `device`, and why.
 std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_heads,
                                   int head_dim, int device);
+
+// How the sm80 decode kernels serve decode of (heads, head_dim) with `kv_dtype` K/V (= q) on
+// `info`, one query token per request (src/cuda/sm80/decode.cu; `tessera plan --explain`).
+struct CudaDecodeSelection {
+  ResolvedDecodeTuning tuning;       // kernel variant and minimum split chunk, and their sources
+  const char* mma_kernel = nullptr;  // the tensor-core kernel; nullptr: the CUDA-core kernel
+  std::string cuda_core_reason;      // why the CUDA-core kernel, when mma_kernel is nullptr
+};
+CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, int head_dim,
+                                          DType kv_dtype, const CudaDeviceInfo& info);
 
 // The name of the prefill kernel this thread launched last (tests check which family ran).
 const char* cuda_last_prefill_kernel();

@@ -117,6 +117,56 @@ PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, 
 }  // namespace tessera::detail
 
 namespace tessera::detail {
+namespace {
+
+// Where a decode knob came from, for `tessera plan --explain`.
+std::string decode_knob_source(TuningSource source, const char* env_name,
+                               const CudaDeviceInfo& info, int head_dim, int group) {
+  switch (source) {
+    case TuningSource::kOverride: return "in-process override (tessera tune)";
+    case TuningSource::kEnvironment: return std::string(env_name);
+    case TuningSource::kFile: return "tuning file " + process_tuning_file().path;
+    case TuningSource::kDefault: break;
+  }
+  const TuningFile& file = process_tuning_file();
+  switch (file.status) {
+    case TuningFileStatus::kNoPath: return "built-in default (no tuning file location)";
+    case TuningFileStatus::kMissing: return "built-in default (no tuning file " + file.path + ")";
+    case TuningFileStatus::kMalformed:
+      return "built-in default (tuning file ignored: " + file.error + ")";
+    case TuningFileStatus::kLoaded: break;
+  }
+  return "built-in default (" + file.path + " has no entry for \"" + info.name + "\" head_dim " +
+         std::to_string(tuning_head_dim_bucket(head_dim)) + " group " + std::to_string(group) +
+         " kv bf16)";
+}
+
+std::string decode_kernel_note(int num_qo_heads, int num_kv_heads, int head_dim,
+                               const CudaDeviceInfo& info) {
+  const int group = std::max(1, num_qo_heads / std::max(num_kv_heads, 1));
+  const CudaDecodeSelection selection =
+      cuda_decode_selection(num_qo_heads, num_kv_heads, head_dim, DType::kBFloat16, info);
+  const ResolvedDecodeTuning& tuning = selection.tuning;
+  std::string note = "sm80 decode kernels on " + info.name + ", bf16 K/V: ";
+  if (selection.mma_kernel != nullptr) {
+    note += "tensor-core mma variant " + std::to_string(tuning.value.variant) + " (" +
+            selection.mma_kernel + ")";
+  } else {
+    note += "CUDA-core kernel (variant " + std::to_string(tuning.value.variant) + "; " +
+            selection.cuda_core_reason + ")";
+  }
+  note += ", variant from " + decode_knob_source(tuning.variant_source, "TESSERA_DECODE_VARIANT",
+                                                 info, head_dim, group);
+  note += "; min split-KV chunk " + std::to_string(tuning.value.min_kv_chunk) + " keys, from " +
+          decode_knob_source(tuning.min_kv_chunk_source, "TESSERA_DECODE_MIN_CHUNK", info,
+                             head_dim, group);
+  note += ". Decided at run time: fp8 K/V, items of more than 16 packed rows (group x query "
+          "tokens per request) and K/V views not 16-byte aligned run the CUDA-core kernel; fp16 "
+          "K/V take the variant of the fp16 entry (the plan's chunk is the bf16 one)";
+  return note;
+}
+
+}  // namespace
 
 std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_heads,
                                   int head_dim, int device) {
@@ -128,8 +178,7 @@ std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_h
              "TMA, one CTA per SM); fp8 K/V caches and unaligned views run the sm80 decode "
              "kernels";
     }
-    return "CUDA decode kernels (sm80 family: mma.sync over the GQA group, CUDA cores for fp8 "
-           "K/V)";
+    return decode_kernel_note(num_qo_heads, num_kv_heads, head_dim, info);
   }
   const std::string reason = sm90::prefill_unsupported_reason(
       info.sm_major, head_dim, num_qo_heads, num_kv_heads, DType::kBFloat16, DType::kBFloat16);

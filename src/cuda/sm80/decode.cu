@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <numbers>
+#include <optional>
 #include <string>
 
+#include "core/tuning.hpp"
 #include "core/workspace_layout.hpp"
 #include "cuda/cuda_utils.hpp"
 #include "cuda/sm80/decode_api.hpp"
@@ -30,7 +32,7 @@ constexpr int32_t kDecodeMinKvChunk = 512;
 // Kernel variant that represents the device in the planner's worker count.
 constexpr int kPlanningRowsPerThread = 4;
 
-// Kernel family, read once from TESSERA_DECODE_VARIANT (for timing the variants side by side):
+// Kernel family (TESSERA_DECODE_VARIANT, a tuning file entry or an override; core/tuning.hpp):
 //   0: CUDA-core kernel (decode_kernel.cuh) for everything;
 //   1: tensor-core kernel (decode_mma.cuh), 4 warps x 16 keys per tile, 3 stages (default);
 //   2: tensor-core kernel, 4 warps, 4 stages (d128 bf16: 1 CTA/SM, 96 KiB in flight);
@@ -38,33 +40,51 @@ constexpr int kPlanningRowsPerThread = 4;
 // The tensor-core kernel covers q = K/V dtype (fp16/bf16), 16-byte-aligned K/V rows and items of
 // <= 16 packed rows (d256: <= 8); anything else runs the CUDA-core kernel whatever the variant.
 constexpr int kDefaultDecodeVariant = 1;
-constexpr int kMaxDecodeVariant = 3;
 
-int decode_variant() {
-  static const int variant = [] {
+// TESSERA_DECODE_VARIANT, read once (for timing the variants side by side); nullopt when unset
+// or not a variant.
+std::optional<int> decode_variant_from_env() {
+  static const std::optional<int> variant = []() -> std::optional<int> {
     const char* text = std::getenv("TESSERA_DECODE_VARIANT");
-    if (text == nullptr || *text == '\0') return kDefaultDecodeVariant;
+    if (text == nullptr || *text == '\0') return std::nullopt;
     char* end = nullptr;
     const long value = std::strtol(text, &end, 10);
-    if (end == text || *end != '\0' || value < 0 || value > kMaxDecodeVariant) {
-      return kDefaultDecodeVariant;
-    }
+    if (end == text || *end != '\0' || !is_valid_decode_variant(value)) return std::nullopt;
     return static_cast<int>(value);
   }();
   return variant;
 }
 
-// kDecodeMinKvChunk, or TESSERA_DECODE_MIN_CHUNK (a multiple of 64 in [64, 4096]) to time
-// other piece sizes side by side.
-int32_t decode_min_kv_chunk() {
-  static const int32_t chunk = [] {
+// TESSERA_DECODE_MIN_CHUNK (a multiple of 64 in [64, 4096]), read once, to time other piece
+// sizes side by side; nullopt when unset or invalid.
+std::optional<int32_t> decode_min_kv_chunk_from_env() {
+  static const std::optional<int32_t> chunk = []() -> std::optional<int32_t> {
     const char* text = std::getenv("TESSERA_DECODE_MIN_CHUNK");
-    if (text == nullptr || *text == '\0') return kDecodeMinKvChunk;
+    if (text == nullptr || *text == '\0') return std::nullopt;
     const long value = std::strtol(text, nullptr, 10);
-    return value >= 64 && value <= 4096 && value % 64 == 0 ? static_cast<int32_t>(value)
-                                                           : kDecodeMinKvChunk;
+    if (!is_valid_decode_min_kv_chunk(value)) return std::nullopt;
+    return static_cast<int32_t>(value);
   }();
   return chunk;
+}
+
+// The knobs in force for decode of (device, head_dim, GQA group, K/V dtype): the in-process
+// override, else the environment, else the tuning file's entry, else the defaults above. A map
+// lookup after the file's one load (no file I/O, no allocation on the plan / run path).
+ResolvedDecodeTuning decode_tuning(const CudaDeviceInfo& info, int head_dim, int group,
+                                   DType kv_dtype) {
+  const DecodeTuningQuery query{info.name, tuning_head_dim_bucket(head_dim), group, kv_dtype};
+  return resolve_decode_tuning(query, decode_variant_from_env(), decode_min_kv_chunk_from_env(),
+                               DecodeTuning{kDefaultDecodeVariant, kDecodeMinKvChunk});
+}
+
+int decode_variant(const CudaDeviceInfo& info, int head_dim, int group, DType kv_dtype) {
+  return decode_tuning(info, head_dim, group, kv_dtype).value.variant;
+}
+
+int32_t decode_min_kv_chunk(const CudaDeviceInfo& info, int head_dim, int group,
+                            DType kv_dtype) {
+  return decode_tuning(info, head_dim, group, kv_dtype).value.min_kv_chunk;
 }
 
 // Split-KV pieces merged inside the decode kernel (default), or by the separate merge kernel
@@ -95,12 +115,14 @@ const sm80::DecodeKernel* find_decode_kernel(int head_dim, DType q_dtype, DType 
   }
 }
 
-// The tensor-core kernel for items of `rows` packed rows, or nullptr (variant 0, fp8 K/V, more
-// rows than it holds, no instantiation).
-const sm80::DecodeKernel* find_decode_mma_kernel(int head_dim, DType q_dtype, DType kv_dtype,
+// The tensor-core kernel for items of `rows` packed rows of a GQA group of `group`, or nullptr
+// (variant 0, fp8 K/V, more rows than it holds, no instantiation).
+const sm80::DecodeKernel* find_decode_mma_kernel(const CudaDeviceInfo& info, int head_dim,
+                                                 DType q_dtype, DType kv_dtype, int group,
                                                  int rows) {
-  const int variant = decode_variant();
-  if (variant == 0 || rows > 16 || q_dtype != kv_dtype) return nullptr;
+  if (rows > 16 || q_dtype != kv_dtype) return nullptr;
+  const int variant = decode_variant(info, head_dim, group, kv_dtype);
+  if (variant == 0) return nullptr;
   const bool full_rows = rows > 8;
   switch (decode_head_dim_bucket(head_dim)) {
     case 64: return sm80::decode_mma_kernel_d64(q_dtype, kv_dtype, full_rows, variant);
@@ -163,7 +185,7 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
   const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
   config.q_tile_rows = std::max(kDecodeTileRows, group);
   const sm80::DecodeKernel* kernel =
-      find_decode_mma_kernel(head_dim, DType::kBFloat16, DType::kBFloat16, group);
+      find_decode_mma_kernel(info, head_dim, DType::kBFloat16, DType::kBFloat16, group, group);
   int ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
   if (ctas_per_sm <= 0) {
     kernel =
@@ -172,9 +194,38 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
   }
   config.num_workers = std::max(1, info.num_sms) * std::max(1, ctas_per_sm);
   config.split_kv = true;
-  config.min_kv_chunk = decode_min_kv_chunk();
+  // plan() does not know the K/V dtype: the bf16 entry, as for the kernel above.
+  config.min_kv_chunk = decode_min_kv_chunk(info, head_dim, group, DType::kBFloat16);
   config.deterministic = false;
   return config;
+}
+
+CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, int head_dim,
+                                          DType kv_dtype, const CudaDeviceInfo& info) {
+  CudaDecodeSelection selection;
+  const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
+  selection.tuning = decode_tuning(info, head_dim, group, kv_dtype);
+  const sm80::DecodeKernel* kernel =
+      find_decode_mma_kernel(info, head_dim, kv_dtype, kv_dtype, group, group);
+  if (kernel != nullptr && kernel->smem_bytes <= info.max_smem_per_block_optin) {
+    selection.mma_kernel = kernel->name;
+  } else if (kernel != nullptr) {
+    selection.cuda_core_reason = std::string(kernel->name) + " needs more shared memory (" +
+                                 std::to_string(kernel->smem_bytes) +
+                                 " bytes) than the device allows";
+  } else if (selection.tuning.value.variant == 0) {
+    selection.cuda_core_reason = "variant 0 is the CUDA-core kernel";
+  } else if (group > 16) {
+    selection.cuda_core_reason = "a GQA group of " + std::to_string(group) +
+                                 " packs more than 16 rows per token";
+  } else if (kv_dtype != DType::kFloat16 && kv_dtype != DType::kBFloat16) {
+    selection.cuda_core_reason = std::string(name_of(kv_dtype)) + " K/V";
+  } else {
+    selection.cuda_core_reason = "no tensor-core decode kernel for head_dim " +
+                                 std::to_string(head_dim) + " (bucket " +
+                                 std::to_string(decode_head_dim_bucket(head_dim)) + ")";
+  }
+  return selection;
 }
 
 void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
@@ -193,7 +244,8 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
   const int32_t copy_granularity = kv_copy_granularity(problem.kv);
   const sm80::DecodeKernel* kernel = nullptr;
   if (copy_granularity == 16) {
-    kernel = find_decode_mma_kernel(problem.head_dim, problem.q_dtype, problem.kv.dtype, item_rows);
+    kernel = find_decode_mma_kernel(info, problem.head_dim, problem.q_dtype, problem.kv.dtype,
+                                    group, item_rows);
     if (kernel != nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) kernel = nullptr;
   }
   if (kernel == nullptr) {
