@@ -26,6 +26,7 @@
 
 #include "common/gpu_test_support.hpp"
 #include "core/half.hpp"
+#include "core/planner.hpp"
 #include "core/problem.hpp"
 #include "tessera/attention.hpp"
 #include "tessera/types.hpp"
@@ -141,6 +142,48 @@ TEST(PlanCapacity, BoundHoldsAndFixesTheWorkspace) {
       if (workspace_bytes == 0) workspace_bytes = plan.workspace_bytes;
       EXPECT_EQ(plan.workspace_bytes, workspace_bytes) << "step " << step;
     }
+  }
+}
+
+// capacity_bound's balanced-split bound (at most 3 workers + tiles items) holds for any batch,
+// worker count and chunk size, fixed capacity or not: make_plan with the bound as the capacity
+// never throws, and the plan without a capacity never exceeds it.
+TEST(PlanCapacity, BalancedSplitBoundHoldsForAnyWorkerCount) {
+  std::mt19937_64 rng(20261203ull);
+  const auto uniform = [&](int32_t lo, int32_t hi) {
+    return std::uniform_int_distribution<int32_t>(lo, hi)(rng);
+  };
+  for (int trial = 0; trial < 300; ++trial) {
+    detail::PlanShape shape;
+    shape.op = trial % 2 ? AttentionOp::kDecode : AttentionOp::kRaggedPrefill;
+    const int32_t group = 1 << uniform(0, 3);
+    shape.num_kv_heads = uniform(1, 4);
+    shape.num_qo_heads = shape.num_kv_heads * group;
+    shape.head_dim = 64;
+    shape.options.causal = uniform(0, 1) == 1;
+    PlanConfig config;
+    config.q_tile_rows = 64;
+    config.num_workers = uniform(1, 300);
+    config.min_kv_chunk = 64 * uniform(1, 8);
+    config.split_kv = true;
+    const int32_t batch = uniform(1, 24);
+    const int32_t max_kv = uniform(1, 40000);
+    int64_t total_q = 0;
+    for (int32_t b = 0; b < batch; ++b) {
+      const int32_t kv_len = uniform(0, 3) == 0 ? max_kv : uniform(0, max_kv);
+      const int32_t q_len = shape.op == AttentionOp::kDecode ? 1 : uniform(0, std::min(kv_len, 300));
+      shape.q_lens.push_back(q_len);
+      shape.kv_lens.push_back(kv_len);
+      total_q += q_len;
+    }
+    const PlanCapacity bound = detail::capacity_bound(batch, total_q, max_kv, shape.num_qo_heads,
+                                                      shape.num_kv_heads, config);
+    const Plan free_plan = detail::make_plan(shape, config);
+    EXPECT_LE(static_cast<int64_t>(free_plan.work.size()), bound.max_work_items) << "trial " << trial;
+    EXPECT_LE(static_cast<int64_t>(free_plan.merges.size()), bound.max_merges) << "trial " << trial;
+    EXPECT_LE(free_plan.num_partial_rows, bound.max_partial_rows) << "trial " << trial;
+    shape.capacity = bound;
+    EXPECT_NO_THROW((void)detail::make_plan(shape, config)) << "trial " << trial;
   }
 }
 

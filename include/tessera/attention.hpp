@@ -91,6 +91,10 @@ struct PlanConfig {
   bool split_kv = true;       // allow splitting long key ranges across workers
   int32_t min_kv_chunk = 256; // never split a key range into pieces shorter than this
   bool deterministic = false; // fixed split sizes, independent of the batch composition
+  // The fixed piece size in deterministic mode, when larger pieces than min_kv_chunk are wanted
+  // there (0: min_kv_chunk). Deterministic plans cut every long range into such pieces, so
+  // their count, and a graph capacity's workspace, scale with kv_len / this.
+  int32_t deterministic_kv_chunk = 0;
 };
 
 // Planning knobs that are not attention maths (so not AttentionOptions): the fixed capacity a

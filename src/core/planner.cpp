@@ -293,7 +293,12 @@ void schedule(Candidate& c, int32_t heads, int32_t workers) {
 }  // namespace
 
 PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_kv_len,
-                            int32_t num_qo_heads, int32_t num_kv_heads, const PlanConfig& config) {
+                            int32_t num_qo_heads, int32_t num_kv_heads,
+                            const PlanConfig& requested_config) {
+  PlanConfig config = requested_config;
+  if (config.deterministic && config.deterministic_kv_chunk > 0) {
+    config.min_kv_chunk = config.deterministic_kv_chunk;  // as make_plan does
+  }
   PlanCapacity capacity;
   if (max_batch <= 0 || num_kv_heads <= 0) return capacity;
   const int64_t group = std::max(1, num_qo_heads / num_kv_heads);
@@ -336,6 +341,9 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   const PlanCapacity& capacity = shape.capacity;
   PlanConfig config = requested_config;
   if (capacity.deterministic) config.deterministic = true;
+  if (config.deterministic && config.deterministic_kv_chunk > 0) {
+    config.min_kv_chunk = config.deterministic_kv_chunk;
+  }
   if (capacity.fixed()) {
     check.require(capacity.max_merges >= 0 && capacity.max_partial_rows >= 0, "capacity",
                   "expected max_merges >= 0 and max_partial_rows >= 0");

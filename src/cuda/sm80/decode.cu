@@ -26,9 +26,14 @@ namespace {
 // speculative-decode request of 8 tokens with a group of 8, or 16 tokens with a group of 4, in
 // one item, so each request's K/V is read once.
 constexpr int32_t kDecodeTileRows = 64;
-// Split-KV pieces are at least this many keys: 16 tiles of the d128 bf16 kernel, long enough to
-// amortise a piece's pipeline prologue and its partial-output write.
-constexpr int32_t kDecodeMinKvChunk = 512;
+// Split-KV pieces are at least this many keys (2 tiles of the d128 bf16 kernel). The planner
+// sizes pieces by cost (fair share of the batch), so this floor only binds on small batches,
+// where more, shorter pieces mean more CTAs reading at once: 1 x 1k keys, GQA 32/8, went from
+// 20 to 15 us on the H200 with 128 instead of 512, every larger shape unchanged (PERF.md).
+constexpr int32_t kDecodeMinKvChunk = 128;
+// Deterministic plans cut every long range at multiples of this many keys (their piece count
+// sizes a graph capacity's workspace, so it stays at the old 512).
+constexpr int32_t kDecodeDeterministicKvChunk = 512;
 // Kernel variant that represents the device in the planner's worker count.
 constexpr int kPlanningRowsPerThread = 4;
 
@@ -197,6 +202,7 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
   // plan() does not know the K/V dtype: the bf16 entry, as for the kernel above.
   config.min_kv_chunk = decode_min_kv_chunk(info, head_dim, group, DType::kBFloat16);
   config.deterministic = false;
+  config.deterministic_kv_chunk = kDecodeDeterministicKvChunk;
   return config;
 }
 
