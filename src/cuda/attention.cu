@@ -285,7 +285,14 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
   if (sm90::prefill_unsupported_reason(info.sm_major, problem.head_dim, problem.num_qo_heads,
                                        problem.num_kv_heads, problem.q_dtype, problem.kv.dtype)
           .empty()) {
-    hopper = sm90::find_prefill_kernel(problem.head_dim, problem.q_dtype, soft_cap);
+    // 176-key tiles need ragged K/V (pages of 32 or 64 keys do not tile them) and no mask
+    // beyond the request's length (causal and window tiles would straddle the mask more).
+    const bool wide_tiles = !problem.kv.paged && !problem.mask.causal &&
+                            problem.mask.window_left < 0 && problem.mask.window_right < 0;
+    const int64_t shortest_kv_len =
+        plan.kv_lens.empty() ? 0 : *std::min_element(plan.kv_lens.begin(), plan.kv_lens.end());
+    hopper = sm90::find_prefill_kernel(problem.head_dim, problem.q_dtype, soft_cap, wide_tiles,
+                                       shortest_kv_len);
     if (hopper != nullptr && hopper->smem_bytes > info.max_smem_per_block_optin) hopper = nullptr;
   }
   if (hopper == nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) {

@@ -45,11 +45,31 @@ constexpr int prefill_tile_rows(int block_m, int group) {
 const PrefillKernel* prefill_kernel_d64(DType dtype, bool soft_cap);
 const PrefillKernel* prefill_kernel_d128(DType dtype, bool soft_cap);
 const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap);
+// d128 with 176-key tiles, for ragged K/V without a causal mask, window or soft-cap.
+const PrefillKernel* prefill_kernel_d128_wide(DType dtype);
 
-inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool soft_cap) {
+// When the d128 176-key kernel runs: for ragged K/V without a causal mask, window or soft-cap
+// whose requests all have at least kWideTilesMinKeys keys (default), never
+// (TESSERA_SM90_WIDE=0) or whenever the mask allows (TESSERA_SM90_WIDE=1, for tests and timing).
+// Short requests lose with it: 512 keys are 3 tiles of 176 with the last one partial (gathered
+// by threads, not TMA) - 334 vs 390 TFLOP/s at 32 x 512 on the H200, +1% at 4 x 4096, +10% at
+// 1 x 16384 (docs/PERF.md).
+enum class WideTiles { kOff, kLongKeys, kAlways };
+WideTiles wide_tiles_mode();
+inline constexpr int32_t kWideTilesMinKeys = 4096;
+
+// wide_tiles_allowed: the problem's mask and K/V allow the wide-tile kernel;
+// shortest_kv_len: the fewest keys of any request of the plan.
+inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool soft_cap,
+                                                bool wide_tiles_allowed = false,
+                                                int64_t shortest_kv_len = 0) {
+  const WideTiles mode = wide_tiles_allowed && !soft_cap ? wide_tiles_mode() : WideTiles::kOff;
+  const bool wide = mode == WideTiles::kAlways ||
+                    (mode == WideTiles::kLongKeys && shortest_kv_len >= kWideTilesMinKeys);
   switch (prefill_head_dim_bucket(head_dim)) {
     case 64: return prefill_kernel_d64(dtype, soft_cap);
-    case 128: return prefill_kernel_d128(dtype, soft_cap);
+    case 128:
+      return wide ? prefill_kernel_d128_wide(dtype) : prefill_kernel_d128(dtype, soft_cap);
     case 256: return prefill_kernel_d256(dtype, soft_cap);
     default: return nullptr;
   }

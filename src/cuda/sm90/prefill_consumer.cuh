@@ -45,14 +45,16 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   }
 }
 
-// In-place pairwise reduction of a register array (kCount a power of two). Recursion on the
-// size keeps every index a compile-time constant (a halving loop is not unrolled by nvcc, which
-// then moves the array to local memory).
+// In-place pairwise reduction of a register array (an odd count first folds its last element
+// into the first). Recursion on the size keeps every index a compile-time constant (a halving
+// loop is not unrolled by nvcc, which then moves the array to local memory).
 template <int kCount, class Op>
 __device__ __forceinline__ float tree_reduce(float (&values)[kCount], Op op) {
-  static_assert((kCount & (kCount - 1)) == 0, "a power of two");
   if constexpr (kCount == 1) {
     return values[0];
+  } else if constexpr (kCount % 2 == 1) {
+    values[0] = op(values[0], values[kCount - 1]);
+    return tree_reduce(reinterpret_cast<float(&)[kCount - 1]>(values), op);
   } else {
 #pragma unroll
     for (int i = 0; i < kCount / 2; ++i) values[i] = op(values[i], values[i + kCount / 2]);

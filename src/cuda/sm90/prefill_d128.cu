@@ -6,7 +6,7 @@
 namespace tessera::detail::sm90 {
 
 const PrefillKernel* prefill_kernel_d128(DType dtype, bool soft_cap) {
-  return select_prefill_kernel<128>(dtype, soft_cap);
+  return select_prefill_kernel<PrefillTraits<128>>(dtype, soft_cap);
 }
 
 }  // namespace tessera::detail::sm90

@@ -6,7 +6,7 @@
 namespace tessera::detail::sm90 {
 
 const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap) {
-  return select_prefill_kernel<256>(dtype, soft_cap);
+  return select_prefill_kernel<PrefillTraits<256>>(dtype, soft_cap);
 }
 
 }  // namespace tessera::detail::sm90

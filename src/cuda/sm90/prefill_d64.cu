@@ -6,7 +6,7 @@
 namespace tessera::detail::sm90 {
 
 const PrefillKernel* prefill_kernel_d64(DType dtype, bool soft_cap) {
-  return select_prefill_kernel<64>(dtype, soft_cap);
+  return select_prefill_kernel<PrefillTraits<64>>(dtype, soft_cap);
 }
 
 }  // namespace tessera::detail::sm90

@@ -19,6 +19,15 @@ int block_m_of(int bucket) {
 
 }  // namespace
 
+WideTiles wide_tiles_mode() {
+  static const WideTiles mode = [] {
+    const char* text = std::getenv("TESSERA_SM90_WIDE");
+    if (text == nullptr || *text == '\0') return WideTiles::kLongKeys;
+    return std::string(text) == "0" ? WideTiles::kOff : WideTiles::kAlways;
+  }();
+  return mode;
+}
+
 std::string prefill_unsupported_reason(int sm_major, int head_dim, int num_qo_heads,
                                        int num_kv_heads, DType q_dtype, DType kv_dtype) {
   const char* forced = std::getenv("TESSERA_PREFILL_KERNEL");

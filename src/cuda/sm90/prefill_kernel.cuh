@@ -195,10 +195,9 @@ PrefillKernel make_prefill_kernel() {
                        &try_launch_prefill<Traits, kDType, kSoftCap>};
 }
 
-// The four kernels of one head_dim bucket (fp16/bf16 x soft-cap off/on).
-template <int kHeadDim>
+// The four kernels of one shape (fp16/bf16 x soft-cap off/on).
+template <class Traits>
 const PrefillKernel* select_prefill_kernel(DType dtype, bool soft_cap) {
-  using Traits = PrefillTraits<kHeadDim>;
   static const PrefillKernel kernels[2][2] = {
       {make_prefill_kernel<Traits, DType::kFloat16, false>(),
        make_prefill_kernel<Traits, DType::kFloat16, true>()},

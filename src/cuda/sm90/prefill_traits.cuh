@@ -7,10 +7,11 @@
 // used), warpgroups 1..kConsumerWarpgroups are consumers, each owning 64 packed query rows of the
 // CTA tile (wgmma's M). Registers move from the producer to the consumers with setmaxnreg.
 //
-// Choice of shapes (after FA3's tile_size_fwd_sm90, BLOCK_N a power of two so that key tiles
-// align with pages):
+// Choice of shapes (after FA3's tile_size_fwd_sm90; BLOCK_N a power of two so that key tiles
+// align with pages, except the non-causal ragged d128 kernel):
 //   d64 : 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (113 KiB)
 //   d128: 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (209 KiB)
+//         128 x 176 (ragged, no causal mask or window), O staged in Q's buffer   (224 KiB)
 //   d256: 128 x  64, 2 consumer warpgroups, 2 K/V stages, O staged in Q's buffer  (209 KiB)
 // One CTA per SM (227 KiB of shared memory per block at most on sm_90). FA3 runs d64 with three
 // consumer warpgroups (192 rows); here the producer needs 56 registers (its paged and gather
@@ -74,7 +75,7 @@ struct PrefillShape {
       kSeparateOutputSmem ? kOOffset + kQBytes : kVOffset + kStages * kKVStageBytes;
   // Producer-side page table (paged caches): page ids of kPageTableKeys consecutive keys per
   // slot (one page per key at page_size 1), double-buffered (prefill_producer.cuh).
-  static constexpr int kPageTableKeys = 2048;
+  static constexpr int kPageTableKeys = 2048 / kBlockN * kBlockN;
   static constexpr int kPageTableEntries = kPageTableKeys + 8;
   static constexpr size_t kPageTableOffset = kTilesEnd;
   static constexpr size_t kPageTableBytes = 2 * size_t{kPageTableEntries} * sizeof(int32_t);
@@ -105,6 +106,13 @@ template <>
 struct PrefillTraits<128> : PrefillShape<128, 128, 2, 2, true> {};
 template <>
 struct PrefillTraits<256> : PrefillShape<256, 64, 2, 2, false> {};
+
+// d128 with 176-key tiles (FA3's non-causal d128 shape): 37% more GEMM per softmax round trip
+// and ping-pong hand-over than 128-key tiles. O is staged in Q's buffer so the two 44 KiB K/V
+// stages fit (224 KiB). Chosen by run() for ragged K/V without a causal mask, window or
+// soft-cap: paged caches keep 128-key tiles (pages of 32 or 64 keys do not tile 176), causal
+// tiles would cross the diagonal more often, and the soft-cap variant spills at this width.
+struct PrefillTraitsD128Wide : PrefillShape<128, 176, 2, 2, false> {};
 
 // Named barriers (0 is __syncthreads): the consumers' epilogue barrier, the producer
 // warpgroup's own, and one per consumer warpgroup for the ping-pong schedule.
