@@ -521,7 +521,7 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
   const bool quick = suite == "quick";
   if (suite != "quick" && suite != "standard") {
     throw Error(Error::Kind::kInvalidArgument,
-                "--suite: expected quick, standard or plan, got '" + suite + "'");
+                "--suite: expected quick, standard, plan or overhead, got '" + suite + "'");
   }
   if (device.type == DeviceType::kCUDA) {
     // The grid of ANCHORS.md: B x S = 16k tokens, H x D = 2048.
@@ -593,8 +593,62 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
   return cases;
 }
 
+// Host cost of one run_*() call on tiny problems (one request of 16 keys, 2 query heads / 1 kv
+// head, head_dim 64, as bench/python_overhead.py): batches of 200 calls timed from an idle device
+// to the last call's return (fewer calls than the launch queue holds, so the GPU's time is not
+// in it), best of 20 batches. The C++ floor under the Python wrappers' run().
+int run_overhead_bench(const BenchOptions& options) {
+  const Device device = resolve_backend(options.backend);
+  std::cout << "tessera bench --suite overhead: " << describe_device(device)
+            << ", host microseconds per run_*() call (best of 20 x 200 calls)\n";
+  BenchCase decode;
+  decode.name = "decode run_decode (plan uploaded)";
+  decode.op = AttentionOp::kDecode;
+  decode.q_len = 1;
+  decode.kv_len = 16;
+  decode.page_size = 16;
+  BenchCase ragged = decode;
+  ragged.name = "ragged run_ragged_prefill (plan uploaded)";
+  ragged.op = AttentionOp::kRaggedPrefill;
+  ragged.page_size = 0;
+  int failures = 0;
+  for (BenchCase c : {decode, ragged}) {
+    c.num_qo_heads = 2;
+    c.num_kv_heads = 1;
+    c.head_dim = 64;
+    try {
+      BenchProblem problem;
+      problem.spec = c;
+      problem.device = device;
+      problem.dtype = DType::kFloat16;
+      build_problem(problem, 7);
+      const auto synchronize = [&] {
+#if defined(TESSERA_HAVE_CUDA)
+        if (device.type == DeviceType::kCUDA) detail::cuda_synchronize(nullptr);
+#endif
+      };
+      for (int i = 0; i < 200; ++i) run_once(problem);
+      double best = INFINITY;
+      for (int batch = 0; batch < 20; ++batch) {
+        synchronize();
+        const auto start = std::chrono::steady_clock::now();
+        for (int i = 0; i < 200; ++i) run_once(problem);
+        const auto stop = std::chrono::steady_clock::now();
+        best = std::min(best, std::chrono::duration<double, std::micro>(stop - start).count() / 200);
+        synchronize();
+      }
+      std::printf("  %-44s %8.2f us\n", c.name.c_str(), best);
+    } catch (const std::exception& error) {
+      std::printf("  %-44s error: %s\n", c.name.c_str(), error.what());
+      ++failures;
+    }
+  }
+  return failures == 0 ? 0 : 1;
+}
+
 int run_bench(const BenchOptions& options) {
   if (options.suite == "plan") return run_plan_bench(options);
+  if (options.suite == "overhead") return run_overhead_bench(options);
   bool reference = false;
   const Device device = resolve_backend(options.backend, &reference);
   const CpuImpl saved_impl = cpu_impl();
