@@ -68,6 +68,7 @@
 #include <cuda_runtime.h>
 
 #include "common/attention_testing.hpp"
+#include "common/cuda_graph_support.hpp"
 #include "common/gpu_test_support.hpp"
 #include "core/half.hpp"
 #include "core/problem.hpp"
@@ -131,30 +132,8 @@ long long device_used_bytes() {
   return static_cast<long long>(total_bytes) - static_cast<long long>(free_bytes);
 }
 
-class Stream {
- public:
-  Stream() { cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream"); }
-  ~Stream() { cudaStreamDestroy(stream_); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-class Graph {
- public:
-  Graph() = default;
-  ~Graph() {
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-  }
-  Graph(const Graph&) = delete;
-  Graph& operator=(const Graph&) = delete;
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-};
+using Stream = test::CudaStream;
+using Graph = test::CudaGraph;
 
 void copy_to_host(void* dst, const DeviceBuffer& src, size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return;

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "common/cuda_graph_support.hpp"
 #include "common/gpu_test_support.hpp"
 #include "core/half.hpp"
 #include "core/planner.hpp"
@@ -283,25 +284,8 @@ std::vector<int64_t> rows_to_check(std::mt19937_64& rng, int step, int64_t rows)
   return picked;
 }
 
-class Stream {
- public:
-  Stream() { cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); }
-  ~Stream() { cudaStreamDestroy(stream_); }
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-class Graph {
- public:
-  ~Graph() {
-    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
-    if (graph_ != nullptr) cudaGraphDestroy(graph_);
-  }
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
-};
+using Stream = test::CudaStream;
+using Graph = test::CudaGraph;
 
 // ---------------------------------------------------------------------------- decode
 
@@ -464,15 +448,15 @@ TEST(CudaGraph, DecodeGraphReplaysAnyPlanOfItsCapacity) {
       run_decode(max_plan, setup.q_view(S::kMaxBatch), setup.cache(S::kMaxBatch),
                  setup.o_view(S::kMaxBatch), setup.lse_view(S::kMaxBatch), ws, s);
     } catch (const std::exception& e) {
-      cudaStreamEndCapture(s, &graph.graph_);
+      cudaStreamEndCapture(s, &graph.graph);
       FAIL() << "run_decode during capture: " << e.what();
     }
-    CUDA_OK(cudaStreamEndCapture(s, &graph.graph_));
-    CUDA_OK(cudaGraphInstantiate(&graph.exec_, graph.graph_, 0));
+    CUDA_OK(cudaStreamEndCapture(s, &graph.graph));
+    CUDA_OK(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
 
     // The captured plan itself first.
     setup.poison(s);
-    CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+    CUDA_OK(cudaGraphLaunch(graph.exec, s));
     {
       std::mt19937_64 pick(1);
       const std::string error = setup.check(s, rows_to_check(pick, 0, S::kMaxBatch * S::kQoHeads));
@@ -489,7 +473,7 @@ TEST(CudaGraph, DecodeGraphReplaysAnyPlanOfItsCapacity) {
       splits_seen += !plan.merges.empty();
       upload_plan(plan, ws, s);
       setup.poison(s);
-      CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+      CUDA_OK(cudaGraphLaunch(graph.exec, s));
       const int64_t rows = static_cast<int64_t>(setup.kv_lens.size()) * S::kQoHeads;
       const std::string error = setup.check(s, rows_to_check(setup.rng, step, rows));
       ASSERT_EQ(error, "") << "step " << step << ", batch " << setup.kv_lens.size() << ", "
@@ -576,12 +560,12 @@ TEST(CudaGraph, UploadDuringCaptureIsRefusedAndLegacyCaptureStillWorks) {
   } catch (const std::exception& e) {
     run_message = e.what();
   }
-  CUDA_OK(cudaStreamEndCapture(s, &graph.graph_));
+  CUDA_OK(cudaStreamEndCapture(s, &graph.graph));
   EXPECT_NE(upload_message.find("captured"), std::string::npos) << upload_message;
   ASSERT_EQ(run_message, "") << "legacy capture (run uploading the plan itself)";
-  CUDA_OK(cudaGraphInstantiate(&graph.exec_, graph.graph_, 0));
+  CUDA_OK(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
   setup.poison(s);
-  CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+  CUDA_OK(cudaGraphLaunch(graph.exec, s));
   std::mt19937_64 pick(7);
   EXPECT_EQ(setup.check(s, rows_to_check(pick, 0, 3 * DecodeSetup::kQoHeads)), "");
 }
@@ -688,13 +672,13 @@ TEST(CudaGraph, RaggedPrefillGraphReplaysAnyPlanOfItsCapacity) {
                                       {kQoHeads, 1}),
                        ws, s);
   } catch (const std::exception& e) {
-    cudaStreamEndCapture(s, &graph.graph_);
+    cudaStreamEndCapture(s, &graph.graph);
     FAIL() << "run_ragged_prefill during capture: " << e.what();
   }
-  CUDA_OK(cudaStreamEndCapture(s, &graph.graph_));
-  CUDA_OK(cudaGraphInstantiate(&graph.exec_, graph.graph_, 0));
+  CUDA_OK(cudaStreamEndCapture(s, &graph.graph));
+  CUDA_OK(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
   poison();
-  CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+  CUDA_OK(cudaGraphLaunch(graph.exec, s));
   ASSERT_EQ(check(0), "") << "max plan replay";
 
   const int steps = reduced_run() ? 20 : 200;
@@ -713,7 +697,7 @@ TEST(CudaGraph, RaggedPrefillGraphReplaysAnyPlanOfItsCapacity) {
         << "step " << step;
     upload_plan(plan, ws, s);
     poison();
-    CUDA_OK(cudaGraphLaunch(graph.exec_, s));
+    CUDA_OK(cudaGraphLaunch(graph.exec, s));
     const std::string error = check(step);
     ASSERT_EQ(error, "") << "step " << step << ", batch " << batch << ", " << plan.work.size()
                          << " work items, " << plan.merges.size() << " merges";

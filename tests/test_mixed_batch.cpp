@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/api_runner.hpp"
+#include "common/cuda_graph_support.hpp"
 #include "common/gpu_test_support.hpp"
 #include "core/half.hpp"
 #include "core/problem.hpp"
@@ -137,24 +138,8 @@ void reference_row(const uint16_t* q_row, const std::vector<uint16_t>& k,
   *lse = max_score + std::log(sum);
 }
 
-class Stream {
- public:
-  Stream() { cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); }
-  ~Stream() { cudaStreamDestroy(stream_); }
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-struct Graph {
-  ~Graph() {
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
-    if (graph != nullptr) cudaGraphDestroy(graph);
-  }
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-};
+using Stream = test::CudaStream;
+using Graph = test::CudaGraph;
 
 TEST(MixedBatch, CudaGraphReplaysRandomMixedCompositions) {
   TESSERA_SKIP_WITHOUT_GPU();
