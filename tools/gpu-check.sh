@@ -46,6 +46,17 @@ if [ "${TESSERA_SKIP_TESTS:-0}" != 1 ]; then
       status=1
     fi
   done
+  # The d128 176-key-tile kernel serves only requests of >= 4096 keys by default; the prefill
+  # suite again with it forced on for every non-causal ragged case covers it on every shape.
+  if [ -x "$build/tests/test_cuda_prefill" ] && { [ -z "${TESSERA_TESTS:-}" ] ||
+      [[ " $TESSERA_TESTS " == *" test_cuda_prefill "* ]]; }; then
+    echo "=== test_cuda_prefill (TESSERA_SM90_WIDE=1)" >>"$log"
+    TESSERA_SM90_WIDE=1 timeout "$limit" "$build/tests/test_cuda_prefill" --gtest_brief=1 \
+      --gtest_filter="${TESSERA_TEST_FILTER:-*}" >>"$log" 2>&1
+    rc=$?
+    echo "exit $rc" >>"$log"
+    if [ $rc -ne 0 ]; then echo "FAILED: test_cuda_prefill with TESSERA_SM90_WIDE=1" | tee -a "$log"; status=1; fi
+  fi
   grep -E "^(===|exit|\[  PASSED|\[  FAILED|\[  SKIPPED|FAILED)" "$log" | head -80
 fi
 
