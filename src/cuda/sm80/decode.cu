@@ -254,6 +254,8 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
                                     group, item_rows);
     if (kernel != nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) kernel = nullptr;
   }
+  // Only the tensor-core kernels merge split pieces themselves (finish_split_piece).
+  const bool kernel_merges = kernel != nullptr;
   if (kernel == nullptr) {
     kernel = find_decode_kernel(problem.head_dim, problem.q_dtype, problem.kv.dtype,
                                 rows_per_thread_for(item_rows));
@@ -310,7 +312,7 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
   const int64_t merge_slots =
       header_uploaded ? layout.merge_slots : static_cast<int64_t>(plan.merges.size());
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  if (merge_slots > 0 && fused_decode_merge()) {
+  if (merge_slots > 0 && kernel_merges && fused_decode_merge()) {
     // Fused: the last CTA to finish a tile's piece merges it. upload_plan zeroed the counters;
     // run()'s own upload (not header_uploaded) zeroes them here, in stream order.
     args.merges = reinterpret_cast<const MergeItem*>(base + layout.merges);

@@ -478,7 +478,10 @@ __device__ __forceinline__ void merge_and_store(const DecodeArgs& args, const De
 // the tile's counter (workspace, zeroed by every plan upload); the CTA that completes the count
 // merges every piece of the tile into o / lse and sets the counter back to 0, so the next run
 // (or graph replay) of the same upload starts from zero. No CTA ever waits for another. This
-// replaces the separate merge launch (and its launch gap) of the unfused path.
+// replaces the separate merge launch (and its launch gap) of the unfused path. Used by the
+// tensor-core kernel (decode_mma.cuh); the CUDA-core kernel here (fp8 K/V, head_dim 256, wide
+// items) keeps the separate merge: with the merge's code inlined or called, ptxas spills 24-76
+// bytes in several of its sm_80 instantiations.
 // Ordering (the threadFenceReduction pattern of the CUDA samples): every writer fences its
 // partial stores at gpu scope before the barrier that precedes the count, and the merging CTA
 // fences after observing the full count and reads partials through L2 (merge_rows.cuh).
@@ -497,14 +500,6 @@ __device__ __forceinline__ void finish_split_piece(const DecodeArgs& args, const
   merge_split_tile<kQDType>(args.problem, args.merges[work.merge_index], args.partial_o,
                             args.partial_lse, threadIdx.x / 32, blockDim.x / 32, threadIdx.x % 32);
   if (threadIdx.x == 0) args.merge_counters[work.merge_index] = 0;
-}
-
-// The CUDA-core kernel calls the fused merge out of line: inlined, its few extra live values
-// made ptxas spill 8-16 bytes at 72 registers in the fp8 / 1-2-row instantiations.
-template <DType kQDType>
-__device__ __noinline__ void finish_split_piece_out_of_line(const DecodeArgs& args,
-                                                            int32_t work_index) {
-  finish_split_piece<kQDType>(args, args.work[work_index]);
 }
 
 // ---------------------------------------------------------------------------- the kernel
@@ -542,9 +537,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads)
   const int32_t end = args.worker_indptr[blockIdx.x + 1];
   for (int32_t index = begin; index < end; ++index) {
     decode_work_item<Traits, kQDType, kKVDType>(args, args.work[index], shared);
-    if (args.merge_counters != nullptr && args.work[index].merge_index >= 0) {
-      finish_split_piece_out_of_line<kQDType>(args, index);
-    }
   }
 }
 
