@@ -386,9 +386,10 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
     check.device_is(view, name, plan.device);
     check.dim_is(view, name, 1, plan.num_kv_heads, "num_kv_heads of the plan");
     check.dim_is(view, name, 2, plan.head_dim, "head_dim of the plan");
-    check.require(view.shape[0] >= total_kv, name, [&] {
+    const int64_t rows = view.shape[0];  // (clang < 16 cannot capture a structured binding)
+    check.require(rows >= total_kv, name, [&] {
       return "expected at least " + std::to_string(total_kv) +
-             " rows (the plan's kv tokens), got " + std::to_string(view.shape[0]);
+             " rows (the plan's kv tokens), got " + std::to_string(rows);
     });
   }
   check_kv_dtype(check, k, v, q, "k", "v");
