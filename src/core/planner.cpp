@@ -44,6 +44,10 @@ void tile_key_range(const MaskSpec& mask, int32_t q_start, int32_t q_len, int32_
   *kv_end = std::max(first_lo, last_hi);
 }
 
+// The smallest split target make_plan tries is the fair share divided by this; capacity_bound's
+// balanced-split bound depends on it.
+constexpr int kSmallestTargetDivisor = 3;
+
 int32_t ceil_div(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
 // One (request, q tile): the num_kv_heads work items of the unsplit plan share all of it.
@@ -321,10 +325,10 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
   if (can_split && !config.deterministic) {
     // Balanced splits are bounded by the worker count too: every policy of make_plan cuts a
     // tile of cost c into at most round(c / target) or ceil(c / target) pieces with
-    // target >= fair share / 3 = total cost / (3 workers), so a tile has at most
-    // 3 c / fair + 1 pieces and the plan at most 3 workers + tiles items in all, whatever the
-    // lengths. This keeps graph workspaces small when min_kv_chunk is small.
-    const int64_t by_workers = 3 * int64_t{config.num_workers} + tiles;
+    // target >= fair share / kSmallestTargetDivisor (3) = total cost / (3 workers), so a tile
+    // has at most 3 c / fair + 1 pieces and the plan at most 3 workers + tiles items in all,
+    // whatever the lengths. This keeps graph workspaces small when min_kv_chunk is small.
+    const int64_t by_workers = kSmallestTargetDivisor * int64_t{config.num_workers} + tiles;
     const int64_t rows_per_tile = std::min<int64_t>(config.q_tile_rows, tokens_per_tile * group);
     work_items = std::min(work_items, by_workers);
     partial_rows = std::min(partial_rows, by_workers * rows_per_tile);
@@ -430,7 +434,7 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
     policies.push_back({fair_share, true});
   } else {
     policies = {{fair_share, true}, {fair_share, false}, {fair_share / 2, false},
-                {fair_share / 3, false}};
+                {fair_share / kSmallestTargetDivisor, false}};
   }
   std::vector<std::vector<int32_t>> chunks_seen;  // per policy tried: the chunk of every tile
   Candidate best, trial;

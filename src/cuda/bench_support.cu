@@ -106,45 +106,38 @@ double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iter
 
 double cuda_graph_median_ms(void (*launch)(void*, void*), void* context, int warmup, int iters,
                             size_t flush_bytes) {
-  cudaStream_t stream = nullptr;
-  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream create");
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  double median = 0;
-  try {
-    launch(context, stream);  // one call outside capture: per-device kernel setup
-    check_cuda(cudaStreamSynchronize(stream), "stream synchronize");
-    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-    launch(context, stream);
-    check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
-    check_cuda(cudaGraphInstantiate(&exec, graph, 0), "graph instantiate");
-    struct Replay {
-      cudaGraphExec_t exec;
-      cudaStream_t stream;
-    } replay{exec, stream};
-    median = cuda_median_ms(
-        [](void* r) {
-          auto* self = static_cast<Replay*>(r);
-          check_cuda(cudaGraphLaunch(self->exec, self->stream), "graph launch");
-        },
-        &replay, warmup, iters, stream, flush_bytes);
-  } catch (...) {
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
-        status != cudaStreamCaptureStatusNone) {
-      cudaGraph_t broken = nullptr;
-      cudaStreamEndCapture(stream, &broken);
-      if (broken) cudaGraphDestroy(broken);
+  // Owns the stream, the graph and its executable; ends a capture an error left open.
+  struct GraphReplay {
+    cudaStream_t stream = nullptr;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ~GraphReplay() {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      if (stream != nullptr && cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+          status != cudaStreamCaptureStatusNone) {
+        cudaGraph_t broken = nullptr;
+        cudaStreamEndCapture(stream, &broken);
+        if (broken != nullptr) cudaGraphDestroy(broken);
+      }
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      if (stream != nullptr) cudaStreamDestroy(stream);
     }
-    if (exec) cudaGraphExecDestroy(exec);
-    if (graph) cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
-    throw;
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
-  return median;
+  } replay;
+  check_cuda(cudaStreamCreateWithFlags(&replay.stream, cudaStreamNonBlocking), "stream create");
+  launch(context, replay.stream);  // one call outside capture: per-device kernel setup
+  check_cuda(cudaStreamSynchronize(replay.stream), "stream synchronize");
+  check_cuda(cudaStreamBeginCapture(replay.stream, cudaStreamCaptureModeThreadLocal),
+             "begin capture");
+  launch(context, replay.stream);
+  check_cuda(cudaStreamEndCapture(replay.stream, &replay.graph), "end capture");
+  check_cuda(cudaGraphInstantiate(&replay.exec, replay.graph, 0), "graph instantiate");
+  return cuda_median_ms(
+      [](void* r) {
+        auto* self = static_cast<GraphReplay*>(r);
+        check_cuda(cudaGraphLaunch(self->exec, self->stream), "graph launch");
+      },
+      &replay, warmup, iters, replay.stream, flush_bytes);
 }
 
 void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps,

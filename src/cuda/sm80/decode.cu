@@ -311,22 +311,21 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
   // upload_plan, the merge slots come from the capacity and the count from the header.
   const int64_t merge_slots =
       header_uploaded ? layout.merge_slots : static_cast<int64_t>(plan.merges.size());
-  const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  if (merge_slots > 0 && kernel_merges && fused_decode_merge()) {
-    // Fused: the last CTA to finish a tile's piece merges it. upload_plan zeroed the counters;
-    // run()'s own upload (not header_uploaded) zeroes them here, in stream order.
+  const bool fused = merge_slots > 0 && kernel_merges && fused_decode_merge();
+  if (fused) {
+    // The last CTA to finish a tile's piece merges it. upload_plan zeroed the counters; run()'s
+    // own upload (not header_uploaded) zeroes them here, in stream order.
     args.merges = reinterpret_cast<const MergeItem*>(base + layout.merges);
     args.merge_counters = reinterpret_cast<int32_t*>(base + layout.merge_counters);
     if (!header_uploaded) {
       check_cuda(cudaMemsetAsync(args.merge_counters, 0,
-                                 static_cast<size_t>(merge_slots) * sizeof(int32_t), cuda_stream),
+                                 static_cast<size_t>(merge_slots) * sizeof(int32_t),
+                                 static_cast<cudaStream_t>(stream)),
                  "cudaMemsetAsync (decode merge counters)");
     }
-    kernel->launch(args, stream);
-    return;
   }
   kernel->launch(args, stream);
-  if (merge_slots > 0) {
+  if (merge_slots > 0 && !fused) {
     sm80::MergeArgs merge;
     merge.problem = problem;
     merge.merges = reinterpret_cast<const MergeItem*>(base + layout.merges);

@@ -21,6 +21,7 @@
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/mma.cuh"
 #include "cuda/sm80/decode_kernel.cuh"
+#include "cuda/sm80/merge_rows.cuh"
 
 namespace tessera::detail::sm80 {
 
@@ -403,6 +404,34 @@ __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, cons
     store_output_quad<kDType>(args, item, row, quad, accumulator, lse);
   }
   __syncthreads();  // shared memory is reused by the next item
+}
+
+// Fused split-KV merge: after a CTA has written a piece's partials, it counts the piece done in
+// the tile's counter (workspace, zeroed by every plan upload); the CTA that completes the count
+// merges every piece of the tile into o / lse and sets the counter back to 0, so the next run
+// (or graph replay) of the same upload starts from zero. No CTA ever waits for another. This
+// replaces the separate merge launch (and its launch gap) of the unfused path. Only this
+// tensor-core kernel uses it; the CUDA-core kernel (decode_kernel.cuh: fp8 K/V, head_dim 256,
+// wide items) keeps the separate merge: with the merge's code inlined or called, ptxas spills 24-76
+// bytes in several of its sm_80 instantiations.
+// Ordering (the threadFenceReduction pattern of the CUDA samples): every writer fences its
+// partial stores at gpu scope before the barrier that precedes the count, and the merging CTA
+// fences after observing the full count and reads partials through L2 (merge_rows.cuh).
+template <DType kQDType>
+__device__ __forceinline__ void finish_split_piece(const DecodeArgs& args, const WorkItem& work) {
+  if (args.merge_counters == nullptr || work.merge_index < 0) return;
+  __threadfence();
+  __syncthreads();
+  int completes = 0;
+  if (threadIdx.x == 0) {
+    const int32_t splits = args.merges[work.merge_index].num_splits;
+    completes = atomicAdd(args.merge_counters + work.merge_index, 1) + 1 == splits;
+  }
+  if (!__syncthreads_or(completes)) return;  // uniform across the CTA
+  __threadfence();
+  merge_split_tile<kQDType>(args.problem, args.merges[work.merge_index], args.partial_o,
+                            args.partial_lse, threadIdx.x / 32, blockDim.x / 32, threadIdx.x % 32);
+  if (threadIdx.x == 0) args.merge_counters[work.merge_index] = 0;
 }
 
 template <class Traits, DType kDType>
