@@ -56,6 +56,15 @@ from .wrappers import (
 )
 
 
+def fastcall_info() -> dict:
+    """Whether the wrappers' run() uses the C fast path (the ``tessera._fastcall`` extension,
+    found beside libtessera.so; ``TESSERA_FASTCALL=0`` turns it off): its path, the numpy /
+    torch state, and how many run calls it served or handed back to the ctypes path."""
+    from . import _fast
+
+    return _fast.info()
+
+
 def _package_version() -> str:
     try:
         from ._version import __version__ as version  # written by the wheel build
@@ -126,6 +135,7 @@ def use_cpu_reference(enable: bool = True) -> None:
 __all__ = [
     "__version__",
     "library_path",
+    "fastcall_info",
     "library_version",
     "cuda_device_count",
     "set_num_threads",

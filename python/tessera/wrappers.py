@@ -13,12 +13,17 @@ on the host and allocates nothing but its outputs (pass ``out=``/``lse=`` to all
 A plan is reused by every ``run`` until the next ``plan`` (e.g. once per decode step, shared by
 all layers).
 
-``run`` costs a few microseconds of Python per call (bench/python_overhead.py): the DLPack
-descriptors of its arguments are cached, keyed on (data pointer, shape, strides, dtype, device),
-so buffers that come back every step (static / preallocated buffers, per-layer KV caches,
-``out=``) are not re-described; a new buffer, or one reallocated with another shape, gets a new
-descriptor. Checks the C library does itself (shapes, dtypes, devices against the plan) are left
-to it; its errors name the Python argument.
+``run`` costs about a microsecond of binding per call with the C extension ``tessera._fastcall``
+(built with the library; see :mod:`._fast`): it reads each numpy / torch argument's data
+pointer, shape, strides, dtype and device every call, fills the DLTensor descriptors on the C
+stack and calls the C ABI directly. Without it (or for other frameworks, tensor subclasses, and
+any argument it does not describe exactly as the ctypes path would) run() goes through ctypes, a
+few microseconds: the DLPack descriptors of its arguments are cached, keyed on (data pointer,
+shape, strides, dtype, device), so buffers that come back every step (static / preallocated
+buffers, per-layer KV caches, ``out=``) are not re-described; a new buffer, or one reallocated
+with another shape, gets a new descriptor. Both paths pass the same descriptors. Checks the C
+library does itself (shapes, dtypes, devices against the plan) are left to it; its errors name
+the Python argument.
 
 The workspace is a byte buffer on the device the plans are for (FlashInfer allocates
 ``torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")``; on the CPU a numpy
@@ -51,7 +56,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import numpy as np
 
-from . import _capi
+from . import _capi, _fast
 from ._capi import Plan, check, kDLCUDA
 from ._common import (
     attention_options,
@@ -230,6 +235,7 @@ class _Wrapper:
         # the ids of those descriptors, which each entry holds (so the ids are not reused).
         self._derived: dict = {}
         self._run_fn: Any = None  # the C run function, bound by plan()
+        self._fast: Any = None  # the C fast path's runner of the current plan (see _fast.py)
         self.reset_workspace_buffer(float_workspace_buffer)
 
     # -- workspace ----------------------------------------------------------------------------
@@ -244,8 +250,10 @@ class _Wrapper:
         self._device = device_of(workspace_dl)
         # run() asks torch whether a graph is being captured only in CUDA-graph mode on a GPU.
         self._watch_capture = self._use_cuda_graph and self._device[0] == kDLCUDA
+        self._fast = None
         if self._plan is not None:
             self._check_workspace(self._plan)
+            self._arm_fast()
 
     def _check_workspace(self, plan: Plan) -> None:
         if plan.workspace_bytes > self._workspace_bytes:
@@ -271,6 +279,7 @@ class _Wrapper:
     # -- plan bookkeeping ---------------------------------------------------------------------
 
     def _install(self, handle: ctypes.c_void_p, options: _capi.AttentionOptions) -> None:
+        self._fast = None  # made again when plan() has placed the index arrays (_arm_fast)
         plan = Plan(handle)
         self._check_workspace(plan)
         if self._plan is not None and self._plan_captured:
@@ -289,6 +298,18 @@ class _Wrapper:
             _capi.check(_capi.lib().tessera_plan_upload(
                 handle, self._workspace_ptr, self._workspace_bytes,
                 stream_arg(stream_of(self._workspace, self._workspace_dl))))
+
+    def _index_descriptors(self) -> List[DLTensor]:
+        """The plan's index array descriptors in the order of the C run function."""
+        raise NotImplementedError
+
+    def _arm_fast(self) -> None:
+        """Makes the C fast path's runner for the current plan, index arrays and workspace
+        (None when the extension is not available)."""
+        assert self._plan is not None
+        self._fast = _fast.runner(self._run_symbol, self._plan, self._workspace_ptr,
+                                  self._workspace_bytes, self._layout, self._index_descriptors(),
+                                  self._workspace, self._device)
 
     def _require_plan(self) -> Plan:
         if self._plan is None:
@@ -442,6 +463,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         self._install(handle, options)
         self._qo_indptr.place(self, qo_indptr, qo_host)
         self._kv_indptr.place(self, kv_indptr, kv_host)
+        self._arm_fast()
+
+    def _index_descriptors(self) -> List[DLTensor]:
+        return [self._qo_indptr.dl, self._kv_indptr.dl]
 
     def run(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: Optional[ArrayLike] = None,
             lse: Optional[ArrayLike] = None, return_lse: bool = False, *,
@@ -456,6 +481,21 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             self._require_plan()
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
+        fast = self._fast
+        if fast is not None:
+            if out is not None and lse is None and not return_lse:
+                o, o_lse = out, None
+            else:
+                o, o_lse = _fast_outputs(q, out, lse, return_lse)
+            if o is not None:
+                if self._watch_capture:
+                    self._note_capture()
+                status = fast(q, k, v, o, o_lse)
+                if not status:
+                    return (o, o_lse) if return_lse else o
+                if status > 0:
+                    check(status, _RUN_NAMES)
+                # -1: an argument the fast path does not describe; the ctypes path decides.
         q_dl = cached_dl(q, "q")
         k_dl = cached_dl(k, "k")
         v_dl = cached_dl(v, "v")
@@ -472,6 +512,28 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         if status:
             check(status, _RUN_NAMES)
         return (out, lse) if return_lse else out
+
+
+def _fast_outputs(q: ArrayLike, out: Optional[ArrayLike], lse: Optional[ArrayLike],
+                  return_lse: bool) -> Tuple[Optional[ArrayLike], Optional[ArrayLike]]:
+    """run()'s outputs for the fast path, allocated as the ctypes path allocates them (out like
+    q, lse float32 [rows, heads]), or (None, None) when q is not a numpy array / torch tensor."""
+    cls = type(q)
+    if cls is np.ndarray:
+        kind = "numpy"
+    else:
+        torch = sys.modules.get("torch")
+        if torch is None or (cls is not torch.Tensor and cls is not torch.nn.Parameter):
+            return None, None
+        kind = "torch"
+    if out is None:
+        if kind == "numpy":
+            out = np.empty(q.shape, q.dtype)
+        else:
+            out = sys.modules["torch"].empty(q.shape, dtype=q.dtype, device=q.device)
+    if lse is None and return_lse:
+        lse = empty(q, None, tuple(q.shape)[:2], "float32", "lse")  # type: ignore[arg-type]
+    return out, lse
 
 
 def _hnd_to_nhd(tensor: DLTensor, name: str) -> DLTensor:
@@ -613,6 +675,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         self._qo_indptr.place(self, qo_indptr, qo_host)
         self._place_pages(paged_kv_indptr, indptr_host, paged_kv_indices, paged_kv_last_page_len,
                           last_host)
+        self._arm_fast()
+
+    def _index_descriptors(self) -> List[DLTensor]:
+        return [self._page_indptr.dl, self._page_indices.dl, self._last_page_len.dl,
+                self._qo_indptr.dl]
 
     def run(self, q: ArrayLike, paged_kv_cache: Any, *, k_scale: Optional[float] = None,
             v_scale: Optional[float] = None, out: Optional[ArrayLike] = None,
@@ -626,6 +693,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             self._require_plan()
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
+        fast = self._fast
+        if fast is not None:
+            if out is not None and lse is None and not return_lse:
+                o, o_lse = out, None
+            else:
+                o, o_lse = _fast_outputs(q, out, lse, return_lse)
+            if o is not None:
+                if self._watch_capture:
+                    self._note_capture()
+                status = fast(q, paged_kv_cache, o, o_lse)
+                if not status:
+                    return (o, o_lse) if return_lse else o
+                if status > 0:
+                    check(status, _RUN_NAMES)
+                # -1: an argument the fast path does not describe; the ctypes path decides.
         q_dl = cached_dl(q, "q")
         kv = self._paged_kv(paged_kv_cache)
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
@@ -724,6 +806,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             dict(_PLAN_NAMES, page_indptr_host="indptr", last_page_len_host="last_page_len"))
         self._install(handle, options)
         self._place_pages(indptr, indptr_host, indices, last_page_len, last_host)
+        self._arm_fast()
+
+    def _index_descriptors(self) -> List[DLTensor]:
+        return [self._page_indptr.dl, self._page_indices.dl, self._last_page_len.dl]
 
     def run(self, q: ArrayLike, paged_kv_cache: Any, *, q_rope_offset: Optional[ArrayLike] = None,
             k_scale: Optional[float] = None, v_scale: Optional[float] = None,
@@ -745,6 +831,21 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
                              f"{self._options.window_left}; pass it to plan()")
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
+        fast = self._fast
+        if fast is not None:
+            if out is not None and lse is None and not return_lse:
+                o, o_lse = out, None
+            else:
+                o, o_lse = _fast_outputs(q, out, lse, return_lse)
+            if o is not None:
+                if self._watch_capture:
+                    self._note_capture()
+                status = fast(q, paged_kv_cache, o, o_lse)
+                if not status:
+                    return (o, o_lse) if return_lse else o
+                if status > 0:
+                    check(status, _RUN_NAMES)
+                # -1: an argument the fast path does not describe; the ctypes path decides.
         q_dl = cached_dl(q, "q")
         kv = self._paged_kv(paged_kv_cache)
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
