@@ -12,6 +12,11 @@ consecutive calls, time.perf_counter) / --calls, in microseconds, nothing subtra
 static-buffer / CUDA-graph serving pattern). For reference the script also times the bare C call
 through ctypes with prebuilt descriptors (``ctypes floor``).
 
+Every case is timed through run()'s C fast path (the ``tessera._fastcall`` extension beside
+libtessera.so) when it is available and again with it off (``ctypes path``: the ctypes binding
+with its descriptor cache); ``--ctypes-only`` times only the latter. With torch installed the
+numpy cases are repeated with torch CPU tensors (``torch cpu``).
+
 On a host with torch and a CUDA device it also times torch CUDA tensors (fp16, same shapes):
 the host time of a call (batches of 200 calls on an idle GPU, the synchronisation outside the
 clock: the cost the binding and the C++ run() add) and, for reference, calls back to back with
@@ -28,7 +33,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 
 import tessera
-from tessera import _capi
+from tessera import _capi, _fast
 
 HEADS_QO, HEADS_KV, DIM, KEYS = 2, 1, 64, 16
 
@@ -117,13 +122,42 @@ def _ctypes_floor(wrapper, q, k_cache, v_cache, out, workspace) -> Optional[Call
     return lambda: function(handle, q_ref, kv_ref, o_ref, None, ws_ptr, ws_bytes, None)
 
 
+def torch_cpu_cases() -> List[Tuple[str, Callable[[], object]]]:
+    """The numpy cases with torch CPU tensors (fp32): the binding's cost for torch tensors
+    without a GPU (the C++ floor is the CPU backend's run_*(), about 1 us)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    workspace = torch.empty(16 << 20, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, HEADS_QO, DIM, generator=gen)
+    k_cache = torch.randn(1, KEYS, HEADS_KV, DIM, generator=gen)
+    v_cache = torch.randn(1, KEYS, HEADS_KV, DIM, generator=gen)
+    k, v = k_cache[0].contiguous(), v_cache[0].contiguous()
+    out = torch.empty_like(q)
+    paged = (k_cache, v_cache)
+    decode = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    decode.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                torch.tensor([KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, KEYS)
+    ragged = tessera.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+    ragged.plan(torch.tensor([0, 1], dtype=torch.int32),
+                torch.tensor([0, KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, causal=True)
+    return [
+        ("decode  run()", lambda: decode.run(q, paged)),
+        ("decode  run(out=)", lambda: decode.run(q, paged, out=out)),
+        ("ragged  run()", lambda: ragged.run(q, k, v)),
+        ("ragged  run(out=)", lambda: ragged.run(q, k, v, out=out)),
+    ]
+
+
 def torch_cases():
     try:
         import torch
     except ImportError:
-        return None, None
+        return None, None, None
     if not torch.cuda.is_available() or tessera.cuda_device_count() < 1:
-        return None, None
+        return None, None, None
     device = "cuda"
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
     q = torch.randn(1, HEADS_QO, DIM, dtype=torch.float16, device=device)
@@ -144,7 +178,56 @@ def torch_cases():
         ("ragged  run()  torch cuda", lambda: ragged.run(q, k, v)),
         ("ragged  run(out=)  torch cuda", lambda: ragged.run(q, k, v, out=out)),
     ]
-    return cases, torch.cuda.synchronize
+    floor = _ctypes_floor_torch(decode, q, k_cache, v_cache, out, workspace)
+    if floor is not None:
+        cases.append(("decode  ctypes floor  torch cuda", floor))
+    return cases, torch.cuda.synchronize, (decode, q, paged, out)
+
+
+def _ctypes_floor_torch(wrapper, q, k_cache, v_cache, out, workspace):
+    """The bare tessera_run_decode call on CUDA with descriptors and stream built once."""
+    try:
+        from tessera._dlpack import cached_dl
+    except ImportError:
+        return None
+    q_dl, k_dl, v_dl = cached_dl(q, "q"), cached_dl(k_cache, "k"), cached_dl(v_cache, "v")
+    o_dl = cached_dl(out, "out", True)
+    slots = (wrapper._page_indptr.dl, wrapper._page_indices.dl, wrapper._last_page_len.dl)
+    kv = _capi.PagedKV(ctypes.pointer(k_dl), ctypes.pointer(v_dl), *map(ctypes.pointer, slots),
+                       _capi.TESSERA_KV_LAYOUT_NHD)
+    function = _capi.lib().tessera_run_decode
+    import torch
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream or None)
+    handle, q_ref, kv_ref, o_ref = (wrapper._plan.handle, ctypes.byref(q_dl), ctypes.byref(kv),
+                                    ctypes.byref(o_dl))
+    ws_ptr, ws_bytes = workspace.data_ptr(), workspace.numel()
+    return lambda: function(handle, q_ref, kv_ref, o_ref, None, ws_ptr, ws_bytes, stream)
+
+
+def breakdown(objects, calls: int, repeats: int) -> None:
+    """Host cost of the pieces of a torch CUDA run(out=): torch attribute reads, the descriptor
+    cache, the stream getter, the paged-KV struct (pure host work, no launch)."""
+    import torch
+    from tessera._dlpack import cached_dl
+    decode, q, paged, out = objects
+    raw = torch._C._cuda_getCurrentRawStream
+    pieces = [
+        ("q.data_ptr()", lambda: q.data_ptr()),
+        ("q.shape", lambda: q.shape),
+        ("q.stride()", lambda: q.stride()),
+        ("q.dtype", lambda: q.dtype),
+        ("q.device", lambda: q.device),
+        ("q.get_device()", lambda: q.get_device()),
+        ("key tuple (6 reads)", lambda: (type(q), q.data_ptr(), q.shape, q.stride(), q.dtype,
+                                         q.device)),
+        ("cached_dl(q)", lambda: cached_dl(q, "q")),
+        ("cached_dl(out, writable)", lambda: cached_dl(out, "out", True)),
+        ("stream getter (raw)", lambda: raw(0)),
+        ("wrapper._paged_kv(kv)", lambda: decode._paged_kv(paged)),
+        ("empty python call", lambda: None),
+    ]
+    for name, call in pieces:
+        print(f"  piece {name:34s} {best_us(call, calls, repeats):7.3f} us")
 
 
 def main() -> int:
@@ -152,21 +235,50 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=10000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-cuda", action="store_true", help="skip the torch CUDA cases")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the pieces of a torch CUDA run(out=)")
+    parser.add_argument("--ctypes-only", action="store_true",
+                        help="time only the ctypes path (the fast path off)")
     args = parser.parse_args()
 
     tessera.set_num_threads(1)
     print(f"tessera {tessera.__version__}: per-call microseconds, best of {args.repeats} x "
           f"{args.calls} calls")
+    # Each case runs through the C fast path (tessera._fastcall) when it is available, then,
+    # marked "ctypes path", with the fast path off (the wrappers' ctypes binding).
+    fast_on = bool(tessera.fastcall_info()["loaded"]) and not args.ctypes_only
+    paths = [(True, ""), (False, ", ctypes path")] if fast_on else [(False, "")]
     workspace = np.empty(16 << 20, np.uint8)
-    for name, call in numpy_cases(workspace):
-        print(f"  {name:32s} {best_us(call, args.calls, args.repeats):7.2f} us  (numpy cpu)")
+    for enabled, label in paths:
+        _fast.set_enabled(enabled)
+        for name, call in numpy_cases(workspace):
+            if label and "floor" in name:
+                continue
+            print(f"  {name:32s} {best_us(call, args.calls, args.repeats):7.2f} us  "
+                  f"(numpy cpu{label})")
+    for enabled, label in paths:
+        _fast.set_enabled(enabled)
+        for name, call in torch_cpu_cases():
+            print(f"  {name:32s} {best_us(call, args.calls, args.repeats):7.2f} us  "
+                  f"(torch cpu{label})")
     if not args.no_cuda:
-        cases, sync = torch_cases()
-        for name, call in cases or []:
-            host = host_us(call, args.calls, args.repeats, sync)
-            stream = best_us(call, args.calls, args.repeats, sync)
-            print(f"  {name:32s} {host:7.2f} us host  ({stream:.2f} us per call back to back, "
-                  f"GPU time included)")
+        for enabled, label in paths:
+            _fast.set_enabled(enabled)
+            cases, sync, objects = torch_cases()
+            for name, call in cases or []:
+                if label and "floor" in name:
+                    continue
+                host = host_us(call, args.calls, args.repeats, sync)
+                stream = best_us(call, args.calls, args.repeats, sync)
+                print(f"  {name:32s} {host:7.2f} us host  ({stream:.2f} us per call back to "
+                      f"back, GPU time included{label})")
+            if args.breakdown and objects is not None and enabled == paths[0][0]:
+                breakdown(objects, args.calls, args.repeats)
+    _fast.set_enabled(True)
+    info = tessera.fastcall_info()
+    print(f"  fast path: {'on' if fast_on else 'off'} ({info['path'] or info['reason']}; numpy "
+          f"{info['numpy']}, torch {info['torch']}; calls served {info['calls']}, handed back "
+          f"{info['declined']})")
     return 0
 
 

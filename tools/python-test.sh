@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds and installs the Python package (CPU-only library, `pip install --no-build-isolation`)
-# into a virtual environment under build-py/venv, then runs the Python tests (tests/python; the
+# Builds and installs the Python package (CPU-only library and the tessera._fastcall extension,
+# `pip install --no-build-isolation`) into a virtual environment under build-py/venv, then runs the Python tests (tests/python; the
 # GPU files skip without torch / a CUDA device). Exits non-zero on any failure.
 #
 # Environment:
@@ -44,6 +44,9 @@ CMAKE_ARGS="-DTESSERA_ENABLE_CUDA=OFF ${CMAKE_ARGS:-}" \
 
 # Run from the build folder so `import tessera` is the installed package, not python/.
 cd "$build"
+# Whether run() has its C fast path (_fastcall.abi3.so beside the installed libtessera.so);
+# tests/python/test_fastcall.py skips, saying why, when it has not.
+"$venv/bin/python" -c "import tessera; print('python-test: fastcall', tessera.fastcall_info())"
 status=0
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$root/tests/python" "$@" || status=$?
 echo "python-test: finished in $(( $(date +%s) - start )) s (pytest exit status $status)"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds for the GPU machine on this (CPU-only) host and stages what a device run needs into
-# .devbuild/ (git-ignored): the tessera command, libtessera.so and the test binaries.
+# .devbuild/ (git-ignored): the tessera command, libtessera.so, the Python extension
+# _fastcall.abi3.so and the test binaries.
 # Then, with the device tool: carry [".devbuild"], command
 #   tools/gpu-check.sh "$OUT" .devbuild
 set -euo pipefail
@@ -16,6 +17,15 @@ echo "build: $(( $(date +%s) - start )) s"
 rm -rf "$root/.devbuild"
 mkdir -p "$root/.devbuild/tests"
 cp "$build/tessera" "$build"/libtessera.so* "$root/.devbuild/"
+# The Python package's run() fast path (abi3: the build host's Python headers serve the GPU
+# host's Python): PYTHONPATH=python TESSERA_LIBRARY=.devbuild/libtessera.so finds it beside the
+# library.
+if [ -f "$build/_fastcall.abi3.so" ]; then
+  cp "$build/_fastcall.abi3.so" "$root/.devbuild/"
+  strip --strip-unneeded "$root/.devbuild/_fastcall.abi3.so" 2>/dev/null || true
+else
+  echo "stage-gpu: no _fastcall.abi3.so (Python headers not found): Python uses its ctypes path"
+fi
 cp "$build"/tests/test_* "$root/.devbuild/tests/"
 # The soak (not a test_*: gpu-check.sh runs it only when TESSERA_SOAK_CYCLES is set).
 cp "$build/tests/soak_cuda_graph" "$root/.devbuild/tests/"
