@@ -226,6 +226,10 @@ def breakdown(objects, calls: int, repeats: int) -> None:
         ("wrapper._paged_kv(kv)", lambda: decode._paged_kv(paged)),
         ("empty python call", lambda: None),
     ]
+    if decode._fast is not None:  # the fast path's runner alone: describe 4 tensors + C run
+        fast = decode._fast
+        host = host_us(lambda: fast(q, paged, out, None), calls, repeats, torch.cuda.synchronize)
+        print(f"  piece {'fast runner(q, kv, out) (host)':34s} {host:7.3f} us")
     for name, call in pieces:
         print(f"  piece {name:34s} {best_us(call, calls, repeats):7.3f} us")
 

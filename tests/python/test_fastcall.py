@@ -413,3 +413,31 @@ def test_info_and_disable():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             check=True)
     assert "TESSERA_FASTCALL=0" in result.stdout
+
+
+# ---- CUDA (skips without a GPU) --------------------------------------------------------------
+
+
+def test_cuda_same_outputs_and_stream(rng):
+    if torch is None or not torch.cuda.is_available() or tessera.cuda_device_count() < 1:
+        pytest.skip("needs torch with a CUDA device and a CUDA build of libtessera")
+    cache = PagedCache(rng, [1, 17, 300], 16, 2, 128, np.float16)
+    dev = "cuda"
+    workspace = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    wrapper.plan(torch.from_numpy(cache.page_indptr).to(dev),
+                 torch.from_numpy(cache.page_indices).to(dev),
+                 torch.from_numpy(cache.last_page_len).to(dev), 8, 2, 128, 16)
+    q = torch.from_numpy(rng.standard_normal((3, 8, 128)).astype(np.float16)).to(dev)
+    paged = (torch.from_numpy(cache.k_cache).to(dev), torch.from_numpy(cache.v_cache).to(dev))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # run() must launch on the current (side) stream
+        fast, slow = run_both(wrapper, lambda w: w.run(q, paged, return_lse=True))
+        out = torch.empty_like(q)
+        for _ in range(3):
+            wrapper.run(q, paged, out=out)
+    side.synchronize()
+    assert_same(tuple(t.cpu() for t in fast), tuple(t.cpu() for t in slow))
+    assert torch.equal(out.cpu(), fast[0].cpu())
+    print("fastcall torch mode:", _fast.info()["torch"])
