@@ -101,7 +101,12 @@ def numpy_cases(workspace: np.ndarray) -> List[Tuple[str, Callable[[], object]]]
     floor = _ctypes_floor(decode, q, k_cache, v_cache, out, workspace)
     if floor is not None:
         cases.append(("decode  ctypes floor", floor))
+    if decode._fast is not None:
+        _C_FLOOR_CASE.append((decode, (q, paged, out, None)))
     return cases
+
+
+_C_FLOOR_CASE: list = []  # (wrapper, runner arguments) for the in-process C floor
 
 
 def _ctypes_floor(wrapper, q, k_cache, v_cache, out, workspace) -> Optional[Callable[[], int]]:
@@ -230,6 +235,27 @@ def breakdown(objects, calls: int, repeats: int) -> None:
         fast = decode._fast
         host = host_us(lambda: fast(q, paged, out, None), calls, repeats, torch.cuda.synchronize)
         print(f"  piece {'fast runner(q, kv, out) (host)':34s} {host:7.3f} us")
+        c_us = c_call_us(decode, (q, paged, out, None), calls, repeats, torch.cuda.synchronize)
+        print(f"  piece {'C run_decode in this process':34s} {c_us:7.3f} us")
+
+
+def c_call_us(wrapper, arguments, calls: int, repeats: int,
+              sync: Optional[Callable[[], None]] = None, batch: int = 200) -> float:
+    """Host time of the bare C run function inside this process (the fast path's runner calls
+    it `batch` times in a row with descriptors built once; GIL release included): the floor
+    under run() here, to compare with `tessera bench --suite overhead`."""
+    module = _fast.module()
+    best = float("inf")
+    for _ in range(repeats * max(1, calls // batch)):
+        if sync is not None:
+            sync()
+        status, ns = module.time_c_call(wrapper._fast, batch, *arguments)
+        if status:
+            raise RuntimeError(f"status {status}")
+        best = min(best, ns / 1e3)
+    if sync is not None:
+        sync()
+    return best
     for name, call in pieces:
         print(f"  piece {name:34s} {best_us(call, calls, repeats):7.3f} us")
 
@@ -260,6 +286,10 @@ def main() -> int:
                 continue
             print(f"  {name:32s} {best_us(call, args.calls, args.repeats):7.2f} us  "
                   f"(numpy cpu{label})")
+        if enabled and _C_FLOOR_CASE:
+            wrapper, arguments = _C_FLOOR_CASE[-1]
+            print(f"  {'decode  C call in-process':32s} "
+                  f"{c_call_us(wrapper, arguments, args.calls, args.repeats):7.2f} us  (numpy cpu)")
     for enabled, label in paths:
         _fast.set_enabled(enabled)
         for name, call in torch_cpu_cases():

@@ -27,6 +27,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include <tessera/tessera.h>
 
@@ -339,6 +340,8 @@ typedef struct {
   const DLTensor* index[4]; /* decode/paged: page_indptr, page_indices, last_page_len, qo_indptr
                                (paged prefill); ragged: qo_indptr, kv_indptr */
   PyObject* keep;           /* owners of plan, index descriptors, workspace */
+  long timing_repeat;       /* > 0 (benchmarks only): call the C function this many times */
+  double timing_ns;         /* and the nanoseconds per C call (GIL release included) */
 } Runner;
 
 static PyObject* runner_type;
@@ -407,8 +410,13 @@ static PyObject* runner_call(PyObject* self_, PyObject* args, PyObject* kwargs) 
   }
 
   const DLTensor* lse_t = have_lse ? &lse.t : NULL;
-  tessera_status status;
+  tessera_status status = 0;
+  long repeat = self->timing_repeat > 0 ? self->timing_repeat : 1;
+  if (self->timing_repeat > 0) self->timing_ns = -1.0;
+  struct timespec start, stop;
+  clock_gettime(CLOCK_MONOTONIC, &start);
   ++calls_served;
+  for (long r = 0; r < repeat && status == 0; ++r) {
   if (ragged) {
     run_ragged_prefill_fn run = (run_ragged_prefill_fn)self->function;
     Py_BEGIN_ALLOW_THREADS
@@ -437,10 +445,46 @@ static PyObject* runner_call(PyObject* self_, PyObject* args, PyObject* kwargs) 
       Py_END_ALLOW_THREADS
     }
   }
+  }
+  if (self->timing_repeat > 0) {
+    clock_gettime(CLOCK_MONOTONIC, &stop);
+    self->timing_ns = ((double)(stop.tv_sec - start.tv_sec) * 1e9 +
+                       (double)(stop.tv_nsec - start.tv_nsec)) / (double)repeat;
+  }
   return PyLong_FromLong((long)status);
 decline:
   ++calls_declined;
   return PyLong_FromLong(-1);
+}
+
+/* time_c_call(runner, repeat, q, ..., lse): the runner's call with its C function called
+ * `repeat` times (benchmarks: the C ABI's cost inside this process, without the binding);
+ * returns (status, nanoseconds per C call). */
+static PyObject* py_time_c_call(PyObject* module, PyObject* args) {
+  Py_ssize_t n = PyTuple_Size(args);
+  if (n < 2) {
+    PyErr_SetString(PyExc_TypeError, "time_c_call(runner, repeat, *arguments)");
+    return NULL;
+  }
+  PyObject* runner = PyTuple_GetItem(args, 0);
+  if ((PyObject*)Py_TYPE(runner) != runner_type) {
+    PyErr_SetString(PyExc_TypeError, "time_c_call: not a Runner");
+    return NULL;
+  }
+  long repeat = PyLong_AsLong(PyTuple_GetItem(args, 1));
+  if (repeat < 1) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "repeat must be >= 1");
+    return NULL;
+  }
+  PyObject* rest = PyTuple_GetSlice(args, 2, n);
+  if (rest == NULL) return NULL;
+  Runner* self = (Runner*)runner;
+  self->timing_repeat = repeat;
+  PyObject* status = runner_call(runner, rest, NULL);
+  self->timing_repeat = 0;
+  Py_DECREF(rest);
+  if (status == NULL) return NULL;
+  return Py_BuildValue("(Nd)", status, self->timing_ns);
 }
 
 static PyType_Slot runner_slots[] = {
@@ -482,6 +526,8 @@ static PyObject* make_runner(PyObject* module, PyObject* args) {
   self->workspace = address_of(workspace);
   self->workspace_bytes = (size_t)workspace_bytes;
   for (int i = 0; i < 4; ++i) self->index[i] = NULL;
+  self->timing_repeat = 0;
+  self->timing_ns = -1.0;
   for (Py_ssize_t i = 0; i < needed; ++i) {
     self->index[i] = (const DLTensor*)address_of(PyTuple_GetItem(indices, i));
   }
@@ -694,6 +740,7 @@ static PyMethodDef methods[] = {
     {"split_kv", py_split_kv, METH_O, "split_kv(paged_kv_cache)"},
     {"hnd_to_nhd", py_hnd_to_nhd, METH_O, "hnd_to_nhd(obj)"},
     {"stream", py_stream, METH_O, "stream(device_id)"},
+    {"time_c_call", py_time_c_call, METH_VARARGS, "time_c_call(runner, repeat, *arguments)"},
     {"set_exchange_stream", py_set_exchange_stream, METH_O, "set_exchange_stream(flag)"},
     {"torch_mode", py_torch_mode, METH_NOARGS, "how torch tensors are read"},
     {"stats", py_stats, METH_NOARGS, "(calls served, calls handed back to the ctypes path)"},
