@@ -18,7 +18,7 @@ if(NOT Python3_Development.Module_FOUND)
                  "the package uses its ctypes path)")
   # The wheel build names this target (pyproject.toml build.targets): keep it buildable.
   add_custom_target(tessera_fastcall COMMAND ${CMAKE_COMMAND} -E echo
-                    "tessera_fastcall: skipped (Python 3 headers not found)")
+                    "tessera_fastcall: skipped, Python 3 headers not found" VERBATIM)
   return()
 endif()
 enable_language(C)
