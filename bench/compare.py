@@ -18,13 +18,21 @@ import sys
 def time_ms(fn, iters):
     import torch
 
-    # Flush L2 between runs like tessera bench does (256 MB scratch write).
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    # Flush L2 between runs like tessera bench does: a 256 MB scratch write, or a read of it with
+    # TESSERA_BENCH_FLUSH=read (leaves L2 clean instead of dirty), nothing with =none.
+    import os
+
+    mode = os.environ.get("TESSERA_BENCH_FLUSH", "write") or "write"
+    flush = torch.ones(256 << 20 >> 3, dtype=torch.int64, device="cuda")
+    sink = torch.empty((), dtype=torch.int64, device="cuda")
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
-        flush.fill_(1)
+        if mode == "write":
+            flush.fill_(1)
+        elif mode == "read":
+            torch.sum(flush, dim=0, out=sink)
         start = torch.cuda.Event(enable_timing=True)
         stop = torch.cuda.Event(enable_timing=True)
         start.record()

@@ -14,8 +14,9 @@
 # tests/soak_cuda_graph (N plan/upload/CUDA-graph replay cycles, memory measured; 100000 is the
 # issue-7 figure) after the test binaries, even with TESSERA_SKIP_TESTS=1, under
 # TESSERA_SOAK_TIMEOUT seconds (default TESSERA_TIMEOUT); its output goes to tests.log.
+# TESSERA_EXTRA=1: host overheads, DRAM read ceilings, decode under the read flush, HF latency.
 # Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log,
-# ncu.log.
+# ncu.log, extra.log, extra-decode-compare.json.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
@@ -140,7 +141,35 @@ if [ -n "${TESSERA_NCU:-}" ]; then
     "$out/ncu.log" | head -60
 fi
 
-# 6. The Python package's tests (torch, torch.compile, CUDA graphs, transformers) against the
+# 6. Optional (TESSERA_EXTRA=1): host overheads and ceilings, into extra.log. The C++ and Python
+#    per-call host cost with its pieces and the launch floor, the DRAM read ceiling of the decode
+#    shapes with the L2 flushed by writes (the default timing) and by reads, the decode bench and
+#    its SDPA comparison again with the read flush, and the Hugging Face latency script.
+if [ "${TESSERA_EXTRA:-0}" = 1 ]; then
+  extra="$out/extra.log"
+  lib="$(cd "$build" && pwd)/libtessera.so"
+  {
+    echo "=== bench --suite overhead"; "$build/tessera" bench --suite overhead
+    echo "=== bench --suite roofline (write flush)"; "$build/tessera" bench --suite roofline
+    echo "=== bench --suite roofline (read flush)"
+    TESSERA_BENCH_FLUSH=read "$build/tessera" bench --suite roofline
+    echo "=== python_overhead.py --breakdown"
+    TESSERA_LIBRARY="$lib" PYTHONPATH="$root/python" timeout 300 python3 \
+      "$root/bench/python_overhead.py" --calls 5000 --breakdown
+    echo "=== decode bench + compare, read flush"
+    TESSERA_BENCH_FLUSH=read timeout 600 "$build/tessera" bench --quiet --filter decode \
+      --json "$out/extra-decode.json"
+    TESSERA_BENCH_FLUSH=read timeout 600 python3 "$root/bench/compare.py" \
+      "$out/extra-decode.json" --out "$out/extra-decode-compare.json"
+    echo "=== hf_latency.py"
+    TESSERA_LIBRARY="$lib" PYTHONPATH="$root/python" timeout 600 python3 \
+      "$root/bench/hf_latency.py" --seq-len 8192 --decode-tokens 32
+  } >"$extra" 2>&1 || status=1
+  rm -f "$out/extra-decode.json"
+  grep -v "^\[" "$extra" | tail -80
+fi
+
+# 7. The Python package's tests (torch, torch.compile, CUDA graphs, transformers) against the
 #    library of this build.
 if [ "${TESSERA_SKIP_PYTHON:-0}" != 1 ]; then
   TESSERA_LIBRARY="$(cd "$build" && pwd)/libtessera.so" PYTHONPATH="$root/python" \

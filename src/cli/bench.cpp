@@ -521,7 +521,7 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
   const bool quick = suite == "quick";
   if (suite != "quick" && suite != "standard") {
     throw Error(Error::Kind::kInvalidArgument,
-                "--suite: expected quick, standard, plan or overhead, got '" + suite + "'");
+                "--suite: expected quick, standard, plan, overhead or roofline, got '" + suite + "'");
   }
   if (device.type == DeviceType::kCUDA) {
     // The grid of ANCHORS.md: B x S = 16k tokens, H x D = 2048.
@@ -643,12 +643,57 @@ int run_overhead_bench(const BenchOptions& options) {
       ++failures;
     }
   }
+#if defined(TESSERA_HAVE_CUDA)
+  if (device.type == DeviceType::kCUDA) {
+    // What any run() on CUDA pays at least: the launch of one kernel, measured the same way.
+    std::printf("  %-44s %8.2f us\n", "floor: empty kernel launch",
+                detail::cuda_launch_floor_us(200, false));
+    std::printf("  %-44s %8.2f us\n", "floor: empty kernel launch, 512-byte params",
+                detail::cuda_launch_floor_us(200, true));
+  }
+#endif
   return failures == 0 ? 0 : 1;
+}
+
+// The DRAM read ceiling of each decode shape of the standard suite (`--suite roofline`): a plain
+// 16-byte-load kernel reading as many bytes as the shape's K and V, timed like the bench (median,
+// L2 flushed before each call as TESSERA_BENCH_FLUSH says). The best TB/s any decode kernel of
+// that shape can show under the same timing.
+int run_roofline_bench(const BenchOptions& options) {
+  const Device device = resolve_backend(options.backend);
+  if (device.type != DeviceType::kCUDA) {
+    std::cout << "tessera bench --suite roofline: needs a CUDA device; skipped\n";
+    return 0;
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  const char* flush = std::getenv("TESSERA_BENCH_FLUSH");
+  std::cout << "tessera bench --suite roofline: " << describe_device(device)
+            << ", plain read of each decode shape's K+V bytes, L2 flush "
+            << (flush != nullptr && *flush != 0 ? flush : "write") << "\n";
+  const std::vector<std::pair<int, int>> shapes = {{1, 1024},  {1, 32768}, {16, 4096},
+                                                   {16, 32768}, {64, 4096}, {64, 32768},
+                                                   {256, 16384}};
+  for (auto [batch, len] : shapes) {
+    const size_t bytes = size_t{2} * batch * len * 8 * 128 * 2;  // K+V, 8 kv heads, d128, bf16
+    const double ms = detail::cuda_read_ceiling_ms(bytes, options.iterations > 0 ? options.iterations : 30,
+                                                   kL2FlushBytes);
+    std::printf("  read %3dx%-6d %9.1f MB %10.4f ms %7.3f TB/s\n", batch, len, bytes / 1e6, ms,
+                bytes / (ms * 1e-3) / 1e12);
+  }
+  const size_t skewed = size_t{2} * (32768 + 255 * 512) * 8 * 128 * 2;
+  const double ms = detail::cuda_read_ceiling_ms(skewed, 30, kL2FlushBytes);
+  std::printf("  read skewed 1x32k+255x512 %9.1f MB %10.4f ms %7.3f TB/s\n", skewed / 1e6, ms,
+              skewed / (ms * 1e-3) / 1e12);
+  return 0;
+#else
+  return 0;
+#endif
 }
 
 int run_bench(const BenchOptions& options) {
   if (options.suite == "plan") return run_plan_bench(options);
   if (options.suite == "overhead") return run_overhead_bench(options);
+  if (options.suite == "roofline") return run_roofline_bench(options);
   bool reference = false;
   const Device device = resolve_backend(options.backend, &reference);
   const CpuImpl saved_impl = cpu_impl();

@@ -63,7 +63,7 @@ int main(int argc, char** argv) {
       "bench", "Time the standard suite on the device found (GPU if present, else CPU)");
   bench_cmd->add_option("--backend", bench.backend, "auto, cpu, cpu-reference or cuda");
   bench_cmd->add_option("--suite", bench.suite,
-                        "quick, standard, plan (plan() time) or overhead (host time per run)");
+                        "quick, standard, plan (plan() time), overhead (host time per run) or roofline (DRAM read ceiling of the decode shapes)");
   bench_cmd->add_option("--filter", bench.filter, "only cases whose name contains this text");
   bench_cmd->add_option("--json", bench.json_path, "also write the results as JSON to FILE");
   bench_cmd->add_option("--dtype", dtype, "bf16 or fp16");

@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -55,6 +57,69 @@ __global__ void flush_kernel(int4* buffer, int64_t count, int salt) {
   }
 }
 
+// Reads `count` int4 and stores nothing unless the xor of everything read equals `salt` (never,
+// for the buffers here): a pure DRAM read that the compiler cannot drop. Used as the read-mode
+// L2 flush (it leaves the L2 full of clean lines) and as the read ceiling.
+__global__ void read_kernel(const int4* buffer, int64_t count, int salt, int* sink) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int acc = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += stride) {
+    const int4 v = __ldcs(buffer + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == salt) *sink = acc;
+}
+
+// TESSERA_BENCH_FLUSH: how the timed loops evict the inputs from L2 before each timed call.
+//   write (default, also triton's do_bench): overwrite a 256 MB scratch buffer. The L2 is left
+//          full of dirty lines, whose write-back the timed kernel pays (up to the L2's size).
+//   read:  read the scratch buffer instead: the L2 is left full of clean lines.
+//   none:  no flush (inputs that fit in L2 are served from it).
+enum class FlushMode { kWrite, kRead, kNone };
+
+FlushMode flush_mode() {
+  const char* text = std::getenv("TESSERA_BENCH_FLUSH");
+  if (text == nullptr || *text == 0 || std::string(text) == "write") return FlushMode::kWrite;
+  if (std::string(text) == "read") return FlushMode::kRead;
+  if (std::string(text) == "none") return FlushMode::kNone;
+  throw Error(Error::Kind::kInvalidArgument,
+              std::string("TESSERA_BENCH_FLUSH: expected write, read or none, got '") + text +
+                  "'");
+}
+
+// The scratch buffer of one timed loop and its per-iteration flush.
+struct L2Flush {
+  FlushMode mode = FlushMode::kNone;
+  int4* buffer = nullptr;
+  int* sink = nullptr;
+  int64_t count = 0;
+
+  L2Flush(size_t bytes, FlushMode wanted) {
+    count = static_cast<int64_t>(bytes / sizeof(int4));
+    mode = count > 0 ? wanted : FlushMode::kNone;
+    if (mode == FlushMode::kNone) return;
+    check_cuda(cudaMalloc(&buffer, count * sizeof(int4)), "flush alloc");
+    check_cuda(cudaMalloc(&sink, sizeof(int)), "flush alloc");
+    flush_kernel<<<1024, 256>>>(buffer, count, 0x5a5a5a5a);  // defined contents for reads
+    check_cuda(cudaGetLastError(), "flush_kernel launch");
+  }
+  ~L2Flush() {
+    if (buffer != nullptr) cudaFree(buffer);
+    if (sink != nullptr) cudaFree(sink);
+  }
+  L2Flush(const L2Flush&) = delete;
+  L2Flush& operator=(const L2Flush&) = delete;
+
+  void run(cudaStream_t stream, int iteration) const {
+    if (mode == FlushMode::kWrite) {
+      flush_kernel<<<1024, 256, 0, stream>>>(buffer, count, iteration);
+    } else if (mode == FlushMode::kRead) {
+      read_kernel<<<1024, 256, 0, stream>>>(buffer, count, 1, sink);  // xor of 0x5a.. is 0
+    }
+  }
+};
+
 // Dense bf16 tensor-core FLOP per clock per SM, by architecture (vendor whitepapers):
 // A100 (sm_80) 2048, sm_86/sm_89 (GeForce/L-series) 1024, H100/H200 (sm_90) 4096.
 double tensor_flop_per_clock_per_sm(int major, int minor) {
@@ -79,16 +144,14 @@ void cuda_fill_random(void* ptr, int64_t count, DType dtype, uint64_t seed, floa
 double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iters, void* stream,
                       size_t flush_bytes) {
   auto s = static_cast<cudaStream_t>(stream);
-  int4* flush = nullptr;
-  const int64_t flush_count = static_cast<int64_t>(flush_bytes / sizeof(int4));
-  if (flush_count > 0) check_cuda(cudaMalloc(&flush, flush_count * sizeof(int4)), "flush alloc");
+  const L2Flush flush(flush_bytes, flush_mode());
   for (int i = 0; i < warmup; ++i) launch(context);
   cudaEvent_t start, stop;
   check_cuda(cudaEventCreate(&start), "event create");
   check_cuda(cudaEventCreate(&stop), "event create");
   std::vector<float> times;
   for (int i = 0; i < iters; ++i) {
-    if (flush) flush_kernel<<<1024, 256, 0, s>>>(flush, flush_count, i);
+    flush.run(s, i);
     check_cuda(cudaEventRecord(start, s), "event record");
     launch(context);
     check_cuda(cudaEventRecord(stop, s), "event record");
@@ -99,7 +162,6 @@ double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iter
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  if (flush) cudaFree(flush);
   std::sort(times.begin(), times.end());
   return times.empty() ? 0.0 : times[times.size() / 2];
 }
@@ -160,6 +222,70 @@ void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps,
            " bf16 FLOP/clk/SM; memory " + std::to_string(memory_clock_khz / 1000) + " MHz x " +
            std::to_string(bus_bits) + "-bit x 2";
   }
+}
+
+double cuda_read_ceiling_ms(size_t bytes, int iters, size_t flush_bytes) {
+  const int64_t count = static_cast<int64_t>(bytes / sizeof(int4));
+  if (count <= 0) return 0.0;
+  struct Buffers {
+    int4* data = nullptr;
+    int* sink = nullptr;
+    int blocks = 0;
+    int64_t count = 0;
+    ~Buffers() {
+      if (data != nullptr) cudaFree(data);
+      if (sink != nullptr) cudaFree(sink);
+    }
+  } buffers;
+  buffers.count = count;
+  check_cuda(cudaMalloc(&buffers.data, count * sizeof(int4)), "read ceiling alloc");
+  check_cuda(cudaMalloc(&buffers.sink, sizeof(int)), "read ceiling alloc");
+  flush_kernel<<<1024, 256>>>(buffers.data, count, 0x12345678);
+  check_cuda(cudaGetLastError(), "flush_kernel launch");
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
+  // 8 CTAs of 256 threads per SM, each thread striding over the buffer with 16-byte loads.
+  buffers.blocks = static_cast<int>(std::min<int64_t>(int64_t{sms} * 8, (count + 255) / 256));
+  return cuda_median_ms(
+      [](void* context) {
+        auto* b = static_cast<Buffers*>(context);
+        read_kernel<<<b->blocks, 256>>>(b->data, b->count, 1, b->sink);
+        check_cuda(cudaGetLastError(), "read_kernel launch");
+      },
+      &buffers, 3, iters, nullptr, flush_bytes);
+}
+
+namespace {
+// A parameter block the size of the decode kernels' (DecodeArgs is ~0.5 KB).
+struct LaunchFloorParams {
+  unsigned char bytes[512];
+};
+__global__ void empty_kernel() {}
+__global__ void empty_kernel_params(const __grid_constant__ LaunchFloorParams) {}
+}  // namespace
+
+double cuda_launch_floor_us(int calls, bool large_params) {
+  const LaunchFloorParams params{};
+  const auto launch = [&] {
+    if (large_params) {
+      empty_kernel_params<<<132, 128>>>(params);
+    } else {
+      empty_kernel<<<132, 128>>>();
+    }
+  };
+  for (int i = 0; i < 200; ++i) launch();
+  double best = 1e30;
+  for (int batch = 0; batch < 20; ++batch) {
+    check_cuda(cudaDeviceSynchronize(), "synchronize");
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) launch();
+    const auto stop = std::chrono::steady_clock::now();
+    best = std::min(best, std::chrono::duration<double, std::micro>(stop - start).count() / calls);
+  }
+  check_cuda(cudaGetLastError(), "empty_kernel launch");
+  check_cuda(cudaDeviceSynchronize(), "synchronize");
+  return best;
 }
 
 }  // namespace tessera::detail
