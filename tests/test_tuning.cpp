@@ -133,7 +133,7 @@ TEST(Tuning, MalformedLinesAreReportedWithFileAndLine) {
       {"decode device=\"D\" head_dim=96 group=4 kv=bf16 variant=1 min_chunk=512", "head_dim"},
       {"decode device=\"D\" head_dim=128 group=0 kv=bf16 variant=1 min_chunk=512", "group"},
       {"decode device=\"D\" head_dim=128 group=4 kv=fp32 variant=1 min_chunk=512", "kv"},
-      {"decode device=\"D\" head_dim=128 group=4 kv=bf16 variant=4 min_chunk=512", "variant"},
+      {"decode device=\"D\" head_dim=128 group=4 kv=bf16 variant=6 min_chunk=512", "variant"},
       {"decode device=\"D\" head_dim=128 group=4 kv=bf16 variant=1 min_chunk=500", "min_chunk"},
       {"decode device=\"D\" head_dim=128 group=4 kv=bf16 variant=1 min_chunk=8192", "min_chunk"},
       {"decode device=\"D\" head_dim=128 group=4 kv=bf16 variant=x1 min_chunk=512", "variant"},
@@ -271,7 +271,8 @@ TEST(Tuning, HeadDimBucketsAndValidKnobs) {
   EXPECT_EQ(tuning_head_dim_bucket(100), 0);
   EXPECT_EQ(tuning_head_dim_bucket(512), 0);
   EXPECT_TRUE(is_valid_decode_variant(0));
-  EXPECT_FALSE(is_valid_decode_variant(4));
+  EXPECT_TRUE(is_valid_decode_variant(5));
+  EXPECT_FALSE(is_valid_decode_variant(6));
   EXPECT_TRUE(is_valid_decode_min_kv_chunk(4096));
   EXPECT_FALSE(is_valid_decode_min_kv_chunk(0));
   EXPECT_FALSE(is_valid_decode_min_kv_chunk(4160));

@@ -34,7 +34,7 @@ constexpr int kGroups[] = {1, 4, 8};
 constexpr DType kKvDtypes[] = {DType::kBFloat16, DType::kFloat16};
 
 // The candidates: every kernel family x every minimum split chunk.
-constexpr int kVariants[] = {0, 1, 2, 3};
+constexpr int kVariants[] = {0, 1, 2, 3, 4, 5};
 constexpr int32_t kMinKvChunks[] = {128, 256, 512, 1024};
 
 // Batch shapes a candidate is timed on: a tiny batch (split-KV and latency), one long request,
@@ -55,6 +55,8 @@ const char* variant_text(int variant) {
     case 1: return "mma 4w x 3st";
     case 2: return "mma 4w x 4st";
     case 3: return "mma 2w x 6st";
+    case 4: return "mma 2w x 3st";
+    case 5: return "mma 2w x 4st";
     default: return "?";
   }
 }

@@ -115,7 +115,7 @@ bool parse_decode_entry(const std::vector<std::string_view>& words, DecodeTuning
       key->kv_dtype = *dtype;
     } else if (field.key == "variant") {
       if (!parse_int(field.value, &number) || !is_valid_decode_variant(number)) {
-        return bad_value("a decode variant in [0, 3]");
+        return bad_value("a decode variant in [0, 5]");
       }
       tuning->variant = static_cast<int>(number);
     } else {  // min_chunk

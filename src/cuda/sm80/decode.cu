@@ -41,7 +41,11 @@ constexpr int kPlanningRowsPerThread = 4;
 //   0: CUDA-core kernel (decode_kernel.cuh) for everything;
 //   1: tensor-core kernel (decode_mma.cuh), 4 warps x 16 keys per tile, 3 stages (default);
 //   2: tensor-core kernel, 4 warps, 4 stages (d128 bf16: 1 CTA/SM, 96 KiB in flight);
-//   3: tensor-core kernel, 2 warps x 16 keys per tile, 6 stages.
+//   3: tensor-core kernel, 2 warps x 16 keys per tile, 6 stages;
+//   4: tensor-core kernel, 2 warps, 3 stages (d128 bf16: 48 KiB, 4 CTAs/SM);
+//   5: tensor-core kernel, 2 warps, 4 stages (d128 bf16: 64 KiB, 3 CTAs/SM).
+// 4 and 5 keep as many bytes in flight per SM as 1 in more, smaller CTAs, so one CTA's
+// per-item latency (work-list and page-table loads, the end-of-item merge) is covered by others.
 // The tensor-core kernel covers q = K/V dtype (fp16/bf16), 16-byte-aligned K/V rows and items of
 // <= 16 packed rows (d256: <= 8); anything else runs the CUDA-core kernel whatever the variant.
 constexpr int kDefaultDecodeVariant = 1;

@@ -518,11 +518,13 @@ DecodeKernel make_decode_mma_kernel() {
 // Variant v (1..kDecodeMmaVariants) -> (warps, stages): see decode.cu.
 template <int kHeadDim, DType kDType, bool kFullRows>
 const DecodeKernel* select_decode_mma_variant(int variant) {
-  static const DecodeKernel kernels[3] = {
+  static const DecodeKernel kernels[5] = {
       make_decode_mma_kernel<kHeadDim, kDType, 4, 3, kFullRows>(),
       make_decode_mma_kernel<kHeadDim, kDType, 4, 4, kFullRows>(),
-      make_decode_mma_kernel<kHeadDim, kDType, 2, 6, kFullRows>()};
-  if (variant < 1 || variant > 3) return nullptr;
+      make_decode_mma_kernel<kHeadDim, kDType, 2, 6, kFullRows>(),
+      make_decode_mma_kernel<kHeadDim, kDType, 2, 3, kFullRows>(),
+      make_decode_mma_kernel<kHeadDim, kDType, 2, 4, kFullRows>()};
+  if (variant < 1 || variant > 5) return nullptr;
   return &kernels[variant - 1];
 }
 

@@ -159,7 +159,8 @@ const DecodeKernel* decode_kernel_d256(DType q_dtype, DType kv_dtype, int rows_p
 
 // Tensor-core kernels (decode_mma.cuh) per head_dim bucket: q_dtype == kv_dtype (fp16/bf16),
 // items of <= 8 packed rows (full_rows false) or <= 16 (full_rows true); d256 returns nullptr;
-// variant 1..3 picks (warps, stages) = (4, 3), (4, 4), (2, 6). nullptr when not instantiated.
+// variant 1..5 picks (warps, stages) = (4, 3), (4, 4), (2, 6), (2, 3), (2, 4). nullptr when not
+// instantiated.
 const DecodeKernel* decode_mma_kernel_d64(DType q_dtype, DType kv_dtype, bool full_rows,
                                           int variant);
 const DecodeKernel* decode_mma_kernel_d128(DType q_dtype, DType kv_dtype, bool full_rows,
