@@ -454,6 +454,25 @@ TEST(SanitizerCudaDecode, SmallCasesEveryPath) {
   }
 }
 
+// More work items than persistent CTAs, of one to five key tiles each: every CTA runs several
+// items, so the tensor-core kernel's cross-item prefetch (the next item's DecodeItem in shared
+// memory after tile 0, its first tiles' key offsets after tile 1, or only the item when the
+// current one has a single tile) is exercised; small enough for the sanitizers.
+TEST(SanitizerCudaDecode, ManyItemsPerWorker) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 11);
+  std::uniform_int_distribution<int32_t> short_len(1, 60), long_len(65, 300);
+  for (const int32_t head_dim : {64, 128}) {
+    std::vector<int32_t> lens(700);
+    for (size_t i = 0; i < lens.size(); ++i) lens[i] = i % 4 == 0 ? short_len(rng) : long_len(rng);
+    AttentionCase c = decode_case(lens, 1, 8, 2, head_dim, DType::kBFloat16, DType::kBFloat16);
+    c.page_size = 16;
+    c.layout = KVLayout::kNHD;
+    SCOPED_TRACE("many items per worker, head_dim " + std::to_string(head_dim));
+    check_decode_case(c, rng);
+  }
+}
+
 #else  // !TESSERA_HAVE_CUDA
 
 TEST(CudaDecode, BuiltWithoutCuda) {

@@ -106,6 +106,16 @@ bool fused_decode_merge() {
   return fused;
 }
 
+// Cross-item prefetch in the tensor-core kernel (default on; TESSERA_DECODE_PREFETCH=0 turns it
+// off, kept to time the two side by side).
+bool decode_prefetch_next() {
+  static const bool enabled = [] {
+    const char* text = std::getenv("TESSERA_DECODE_PREFETCH");
+    return text == nullptr || std::string(text) != "0";
+  }();
+  return enabled;
+}
+
 int decode_head_dim_bucket(int head_dim) {
   if (head_dim <= 0 || head_dim % 8 != 0) return 0;
   if (head_dim <= 64) return 64;
@@ -310,6 +320,7 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
   }
   args.output_scale = v_scale;
   args.copy_granularity = copy_granularity;
+  args.prefetch_next = decode_prefetch_next();
 
   // Split-KV pieces wrote float partials that must be combined into o / lse. Uploaded by
   // upload_plan, the merge slots come from the capacity and the count from the header.

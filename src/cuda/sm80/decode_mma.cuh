@@ -61,9 +61,13 @@ struct DecodeMmaTraits {
   static constexpr size_t kMergeOOffset = 0;
   static constexpr size_t kMergeMaxOffset = kMergeOBytes;
   static constexpr size_t kMergeSumOffset = kMergeOBytes + kMergeStatBytes;
+  // Two key-offset buffers: the current item's, and the next item's first kStages tiles, filled
+  // during the current item (cross-item prefetch, mma_key_loop).
   static constexpr size_t kKeyOffsetsOffset = (kWorkBytes + 15) / 16 * 16;
   static constexpr size_t kKeyOffsetsBytes = size_t{kStages} * kTileKeys * 2 * sizeof(int64_t);
-  static constexpr size_t kSmemBytes = kKeyOffsetsOffset + kKeyOffsetsBytes;
+  // Then the next work item's DecodeItem, written by thread 0 during the current item.
+  static constexpr size_t kNextItemOffset = kKeyOffsetsOffset + 2 * kKeyOffsetsBytes;
+  static constexpr size_t kSmemBytes = kNextItemOffset + (sizeof(DecodeItem) + 15) / 16 * 16;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "instantiated head_dims");
   static_assert(kCopiesPerRow >= 8, "the XOR swizzle needs 8 chunks per row");
@@ -289,19 +293,46 @@ __device__ __forceinline__ void mma_consume_tile(const DecodeArgs& args, uint32_
   }
 }
 
-template <class Traits, DType kDType>
-__device__ __forceinline__ void mma_key_loop(const DecodeArgs& args, const DecodeItem& item,
-                                             uint8_t* shared, int warp, int lane,
-                                             MmaWarpState<Traits>& state) {
-  constexpr int kStages = Traits::kStages;
-  constexpr int kTileKeys = Traits::kTileKeys;
-  auto* key_offsets = reinterpret_cast<longlong2*>(shared + Traits::kKeyOffsetsOffset);
-  const int32_t num_tiles = (item.key_end - item.key_begin + kTileKeys - 1) / kTileKeys;
+// The next item of this CTA, prepared during the current one so that its first K/V copies go out
+// as soon as the current item is stored: the work item and its request's metadata are loaded
+// after tile 0 is consumed, the page ids of its first kStages tiles after tile 1, while the
+// ring's copies are in flight (the loads' latency hides behind the wait for them). Without this
+// every item began with four dependent global loads (work item, page_indptr / last_page_len,
+// page ids, then K/V).
+// The DecodeItem itself waits in shared memory (Traits::kNextItemOffset, written by thread 0):
+// held in registers through the key loop it made ptxas spill.
+struct NextDecodeItem {
+  bool item_ready = false;     // the shared slot holds the next work item
+  bool offsets_ready = false;  // its first kStages tiles' key offsets are in the other buffer
+};
 
-  for (int index = threadIdx.x; index < kStages * kTileKeys; index += Traits::kNumThreads) {
+template <class Traits>
+__device__ __forceinline__ void fill_first_key_offsets(const DecodeArgs& args,
+                                                       const DecodeItem& item,
+                                                       longlong2* key_offsets) {
+#pragma unroll 1
+  for (int index = threadIdx.x; index < Traits::kStages * Traits::kTileKeys;
+       index += Traits::kNumThreads) {
     const PrefetchedKey key = prefetch_key(args, item, int64_t{item.key_begin} + index);
     key_offsets[index] = key_row_offsets(args, item, key);
   }
+}
+
+template <class Traits, DType kDType>
+__device__ __forceinline__ void mma_key_loop(const DecodeArgs& args, const DecodeItem& item,
+                                             uint8_t* shared, int warp, int lane,
+                                             MmaWarpState<Traits>& state, int parity,
+                                             bool offsets_ready, int32_t next_index,
+                                             NextDecodeItem& next) {
+  constexpr int kStages = Traits::kStages;
+  constexpr int kTileKeys = Traits::kTileKeys;
+  constexpr int kOffsetsPerBuffer = kStages * kTileKeys;
+  auto* offsets_base = reinterpret_cast<longlong2*>(shared + Traits::kKeyOffsetsOffset);
+  longlong2* key_offsets = offsets_base + parity * kOffsetsPerBuffer;
+  longlong2* next_offsets = offsets_base + (parity ^ 1) * kOffsetsPerBuffer;
+  const int32_t num_tiles = (item.key_end - item.key_begin + kTileKeys - 1) / kTileKeys;
+
+  if (!offsets_ready) fill_first_key_offsets<Traits>(args, item, key_offsets);
   __syncthreads();
 #pragma unroll
   for (int stage = 0; stage < kStages - 1; ++stage) {
@@ -335,6 +366,19 @@ __device__ __forceinline__ void mma_key_loop(const DecodeArgs& args, const Decod
 
     if (threadIdx.x < kTileKeys) {
       key_offsets[stage * kTileKeys + threadIdx.x] = key_row_offsets(args, item, next_key);
+    }
+    // Cross-item prefetch (uniform across the CTA: next_index and tile are).
+    if (next_index >= 0) {
+      auto* next_item = reinterpret_cast<DecodeItem*>(shared + Traits::kNextItemOffset);
+      if (tile == 0) {
+        // Read by every thread after the next iteration's barrier (or the end-of-item ones).
+        if (threadIdx.x == 0) *next_item = make_decode_item(args, args.work[next_index]);
+        next.item_ready = true;
+      } else if (tile == 1) {
+        // Each thread writes its own indices; read after the next item's first barrier.
+        fill_first_key_offsets<Traits>(args, *next_item, next_offsets);
+        next.offsets_ready = true;
+      }
     }
   }
   ptx::cp_async_wait_group<0>();
@@ -441,13 +485,24 @@ __global__ void __launch_bounds__(Traits::kNumThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int32_t begin = args.worker_indptr[blockIdx.x];
   const int32_t end = args.worker_indptr[blockIdx.x + 1];
+  NextDecodeItem next;
+  int parity = 0;
   for (int32_t index = begin; index < end; ++index) {
-    const DecodeItem item = make_decode_item(args, args.work[index]);
+    // The shared slot was written before the barriers that ended the previous item, and is
+    // written again only after the key loop's first barrier.
+    const DecodeItem item =
+        next.item_ready ? *reinterpret_cast<const DecodeItem*>(shared + Traits::kNextItemOffset)
+                        : make_decode_item(args, args.work[index]);
+    const bool offsets_ready = next.offsets_ready;
+    next.item_ready = next.offsets_ready = false;
+    const int32_t next_index = args.prefetch_next && index + 1 < end ? index + 1 : -1;
     MmaWarpState<Traits> state;
     mma_load_rows<Traits, kDType>(args, item, lane, state);
-    mma_key_loop<Traits, kDType>(args, item, shared, warp, lane, state);
+    mma_key_loop<Traits, kDType>(args, item, shared, warp, lane, state, parity, offsets_ready,
+                                 next_index, next);
     mma_merge_and_store<Traits, kDType>(args, item, shared, warp, lane, state);
     finish_split_piece<kDType>(args, item.work);
+    if (next.offsets_ready) parity ^= 1;  // the next item's offsets are in the other buffer
   }
 }
 

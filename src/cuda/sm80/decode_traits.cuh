@@ -137,6 +137,9 @@ struct DecodeArgs {
   float output_scale = 1.0f;
   // Largest power of two <= 16 dividing every K/V row address: the cp.async width.
   int32_t copy_granularity = 16;
+  // Tensor-core kernel: prepare the next work item during the current one (decode_mma.cuh;
+  // TESSERA_DECODE_PREFETCH=0 turns it off, to time the two side by side).
+  bool prefetch_next = true;
 };
 
 // One compiled decode kernel and its launch shape (the dispatch table entry).
