@@ -421,16 +421,27 @@ int run_plan_bench(const BenchOptions& options) {
   const Device device = resolve_backend(options.backend);
   const bool gpu = device.type == DeviceType::kCUDA;
   constexpr int kQoHeads = 32, kKvHeads = 8, kHeadDim = 128, kPageSize = 16;
-  // Without a GPU: H200-like knobs (132 SMs x 2 CTAs, 64-row tiles, 512-key minimum chunk).
-  PlanConfig fake;
-  fake.q_tile_rows = 64;
-  fake.num_workers = 264;
-  fake.split_kv = true;
-  fake.min_kv_chunk = 512;
+  // Without a GPU: the knobs an H200 gets for this shape (GQA 32/8, d128, bf16), written out
+  // here so that a CPU-only build (no CUDA headers) times the planner on the same work.
+  // Decode (cuda_decode_plan_config): 132 SMs x 2 CTAs, 64-row tiles, 128-key minimum split
+  // piece (512 in deterministic mode). Prefill (cuda_plan_config, sm90 kernels): one CTA per
+  // SM, 128-row tiles (2 consumer warpgroups), 4 x 128-key tiles minimum piece.
+  PlanConfig h200_decode;
+  h200_decode.q_tile_rows = 64;
+  h200_decode.num_workers = 132 * 2;
+  h200_decode.split_kv = true;
+  h200_decode.min_kv_chunk = 128;
+  h200_decode.deterministic_kv_chunk = 512;
+  PlanConfig h200_prefill;
+  h200_prefill.q_tile_rows = 128;
+  h200_prefill.num_workers = 132;
+  h200_prefill.split_kv = true;
+  h200_prefill.min_kv_chunk = 4 * 128;
   std::cout << "tessera bench --suite plan: "
             << (gpu ? "plan_* for " + describe_device(device)
-                    : std::string("detail::make_plan, no GPU: fake CUDA config (264 workers, "
-                                  "64-row tiles, min chunk 512)"))
+                    : std::string("detail::make_plan, no GPU: an H200's knobs (decode: 264 "
+                                  "workers, 64-row tiles, min chunk 128; prefill: 132 workers, "
+                                  "128-row tiles, min chunk 512)"))
             << "\nhost: " << describe_device(Device{DeviceType::kCPU, 0})
             << "\nGQA 32/8, head_dim 128, page 16; microseconds per plan(), median of many calls\n";
   std::printf("\n%-44s %10s %10s %10s %8s %8s %8s\n", "case", "median us", "min us", "cpu us",
@@ -457,7 +468,10 @@ int run_plan_bench(const BenchOptions& options) {
     shape.page_size = c.op == AttentionOp::kRaggedPrefill ? 0 : kPageSize;
     shape.options = attention;
     const auto plan_once = [&]() -> Plan {
-      if (!gpu) return detail::make_plan(shape, fake);
+      if (!gpu) {
+        return detail::make_plan(shape,
+                                 c.op == AttentionOp::kDecode ? h200_decode : h200_prefill);
+      }
       switch (c.op) {
         case AttentionOp::kRaggedPrefill:
           return plan_ragged_prefill(qo_indptr, kv_indptr, kQoHeads, kKvHeads, kHeadDim,
