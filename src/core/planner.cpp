@@ -1,7 +1,9 @@
 #include "core/planner.hpp"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "core/validate.hpp"
@@ -107,33 +109,71 @@ struct Piece {
   int32_t kv_end = 0;
 };
 
+// Costs are whole numbers (pairs x group + keys x kCostPerKeyRead + kCostPerItem), so the
+// planner keeps its sums and worker loads exactly as int64: the same values that summing the
+// doubles item by item gives while every partial sum is below 2^53.
+static_assert(kCostPerKeyRead == static_cast<int64_t>(kCostPerKeyRead) &&
+                  kCostPerItem == static_cast<int64_t>(kCostPerItem) && kCostPerItem > 0,
+              "the planner sums costs exactly as integers");
+constexpr int64_t kExactDoubles = int64_t{1} << 53;
+
+// A sum of costs, each added `times` times: exactly the double that adding them one by one in
+// that order gives. Kept as an integer (one multiply per cost) while it stays below 2^53, where
+// every partial double sum is exact too; beyond that it goes on as that double loop.
+class CostSum {
+ public:
+  void add(double cost, int32_t times) {
+    if (exact_) {
+      if (cost >= 0 && cost < static_cast<double>(kExactDoubles)) {
+        const int64_t whole = static_cast<int64_t>(cost);
+        if (whole == cost && times >= 0 &&
+            (whole == 0 || times <= (kExactDoubles - sum_) / whole)) {
+          sum_ += whole * times;
+          return;
+        }
+      }
+      exact_ = false;
+      value_ = static_cast<double>(sum_);
+    }
+    for (int32_t t = 0; t < times; ++t) value_ += cost;
+  }
+  double value() const { return exact_ ? static_cast<double>(sum_) : value_; }
+  bool exact() const { return exact_; }
+  int64_t exact_value() const { return sum_; }  // when exact()
+
+ private:
+  bool exact_ = true;
+  int64_t sum_ = 0;
+  double value_ = 0;
+};
+
 // A split candidate: the chunk of every tile, its pieces longest first, the LPT schedule.
 struct Candidate {
-  std::vector<int32_t> chunks;  // per query tile
+  const std::vector<int32_t>* chunks = nullptr;  // per query tile
   std::vector<Piece> pieces;    // sorted: cost descending, then tile, then piece
   int64_t num_items = 0;        // pieces x kv heads
-  double item_cost_sum = 0;     // over all items
+  CostSum item_cost;            // over all items
   double largest = 0;           // cost of the largest item
   std::vector<int32_t> owner;   // worker of each item, in for_each_item order
-  std::vector<double> worker_cost;
   double makespan = 0;
 
   // No schedule's busiest worker carries less than its largest item or the mean load.
   double lower_bound(int32_t workers) const {
-    return std::max(largest, item_cost_sum / workers);
+    return std::max(largest, item_cost.value() / workers);
   }
 };
 
-// The candidate's pieces, their costs and the bound's inputs.
+// The candidate's pieces in (tile, piece) order, their costs and the bound's inputs.
 void list_pieces(const std::vector<QueryTile>& tiles, const PlanConfig& config,
                  const MaskSpec& mask, const PlanShape& shape, int32_t group, int32_t heads,
                  Candidate* c) {
   c->pieces.clear();
-  c->item_cost_sum = 0;
+  c->item_cost = CostSum();
   c->largest = 0;
+  const std::vector<int32_t>& chunks = *c->chunks;
   for (size_t i = 0; i < tiles.size(); ++i) {
     const QueryTile& tile = tiles[i];
-    const int32_t count = piece_count(tile, c->chunks[i], config.deterministic);
+    const int32_t count = piece_count(tile, chunks[i], config.deterministic);
     for (int32_t p = 0; p < count; ++p) {
       Piece piece;
       piece.tile = static_cast<int32_t>(i);
@@ -143,18 +183,52 @@ void list_pieces(const std::vector<QueryTile>& tiles, const PlanConfig& config,
         piece.kv_end = tile.kv_end;
         piece.cost = tile.cost;
       } else {
-        piece_range(tile, c->chunks[i], config.deterministic, p, &piece.kv_start, &piece.kv_end);
+        piece_range(tile, chunks[i], config.deterministic, p, &piece.kv_start, &piece.kv_end);
         const WorkItem item{tile.request, 0,        tile.q_start, tile.q_len,
                             piece.kv_start, piece.kv_end, -1};
         piece.cost = work_item_cost(item, mask, shape.q_lens[tile.request],
                                     shape.kv_lens[tile.request], group);
       }
-      for (int32_t h = 0; h < heads; ++h) c->item_cost_sum += piece.cost;
+      c->item_cost.add(piece.cost, heads);
       c->largest = std::max(c->largest, piece.cost);
       c->pieces.push_back(piece);
     }
   }
   c->num_items = static_cast<int64_t>(c->pieces.size()) * heads;
+}
+
+// Sorts the pieces (made in (tile, piece) order) by cost descending, then tile, then piece: a
+// stable sort by cost. Nothing to do when they are in order already (uniform batches);
+// otherwise one integer key per piece, (largest - cost, position), when it fits in 64 bits.
+void sort_pieces(std::vector<Piece>& pieces, std::vector<uint64_t>& keys,
+                 std::vector<Piece>& sorted) {
+  const size_t n = pieces.size();
+  double largest = 0;
+  bool in_order = true;
+  for (size_t i = 0; i < n; ++i) {
+    if (i > 0 && pieces[i].cost > pieces[i - 1].cost) in_order = false;
+    largest = std::max(largest, pieces[i].cost);
+  }
+  if (in_order) return;
+  const int position_bits = std::bit_width(static_cast<uint64_t>(n - 1));
+  if (largest >= static_cast<double>(kExactDoubles) ||
+      (static_cast<uint64_t>(largest) >> (64 - position_bits)) != 0) {
+    std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
+      if (a.cost != b.cost) return a.cost > b.cost;
+      return a.tile != b.tile ? a.tile < b.tile : a.index < b.index;
+    });
+    return;
+  }
+  const uint64_t top = static_cast<uint64_t>(largest);
+  keys.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    keys[i] = ((top - static_cast<uint64_t>(pieces[i].cost)) << position_bits) | i;
+  }
+  std::sort(keys.begin(), keys.end());
+  const uint64_t position_mask = (uint64_t{1} << position_bits) - 1;
+  sorted.resize(n);
+  for (size_t i = 0; i < n; ++i) sorted[i] = pieces[keys[i] & position_mask];
+  pieces.swap(sorted);
 }
 
 // Calls f(piece, kv_head) for the candidate's items longest first; equal costs in the order the
@@ -180,106 +254,145 @@ void for_each_item(const Candidate& c, int32_t heads, F&& f) {
 // 3. LPT: longest item first onto the least-loaded worker (ties: lowest index), so the plan is
 //    deterministic and the most expensive items start first.
 //
-// Costs are whole numbers (pairs x group + keys x kCostPerKeyRead + kCostPerItem), so loads are
-// kept exactly as int64 (the same values a double sum has below 2^53). (load, worker) is a
-// total order, so any min-heap gives the same schedule as any other; this one replaces its top
-// in place (one sift per item). The first items go to idle workers 0, 1, ... (costs are > 0),
-// and a long run of equal-cost items is given out without the heap (assign_level_by_level).
-static_assert(kCostPerKeyRead == static_cast<int64_t>(kCostPerKeyRead) &&
-                  kCostPerItem == static_cast<int64_t>(kCostPerItem) && kCostPerItem > 0,
-              "the scheduler sums costs exactly as integers");
+// A worker is one integer key, load << shift | worker (shift: the bits of the largest worker
+// index), so that comparing keys compares (load, worker), a total order: the least key is the
+// worker the next item goes to. Key is uint64_t when the candidate's total cost fits beside the
+// worker bits (always, in practice), unsigned __int128 otherwise. The keys sit in a winner tree
+// (nodes 1 .. 2W-1, worker w's leaf at W + w, each inner node the least key below it): giving
+// an item replays one leaf-to-root path, whose sibling loads do not wait on the comparisons
+// (a heap's sift does), without data-dependent branches. The first items go to idle workers
+// 0, 1, ... (costs are > 0), and a long run of equal-cost items is given out level by level
+// (assign_level_by_level).
+template <class Key>
+struct LptBuffers {
+  std::vector<Key> tree;   // the winner tree, once every worker has had an item
+  std::vector<Key> order;  // assign_level_by_level: (rest, worker) keys
+};
 
+template <class Key>
 class LptWorkers {
  public:
-  explicit LptWorkers(int32_t workers) : heap_(workers) {}
+  LptWorkers(LptBuffers<Key>& buffers, int32_t workers, int shift)
+      : tree_(buffers.tree), order_(buffers.order), workers_(workers), shift_(shift),
+        worker_mask_((Key{1} << shift) - 1) {
+    tree_.resize(2 * static_cast<size_t>(workers));
+  }
 
   // Gives `count` items of cost `cost` out one by one, writing each one's worker to owner[i].
   void assign(int64_t cost, int64_t count, int32_t* owner) {
-    const int32_t workers = static_cast<int32_t>(heap_.size());
-    for (; count > 0 && idle_ < workers; --count) {  // idle workers first, in index order
-      heap_[idle_] = {cost, idle_};
+    const Key step = static_cast<Key>(cost) << shift_;
+    Key* const leaves = tree_.data() + workers_;
+    for (; count > 0 && idle_ < workers_; --count) {  // idle workers first, in index order
+      leaves[idle_] = step | static_cast<Key>(idle_);
+      largest_ = std::max(largest_, leaves[idle_]);
       *owner++ = idle_++;
-      if (idle_ == workers) make_heap();
+      if (idle_ == workers_) build();
     }
     if (count == 0) return;
-    if (count >= workers && assign_level_by_level(cost, count, owner)) return;
+    if (count >= workers_ && assign_level_by_level(cost, count, owner)) return;
+    Key* const tree = tree_.data();
     for (; count > 0; --count) {
-      *owner++ = heap_[0].worker;
-      heap_[0].load += cost;
-      sift_down(0);
+      const Key top = tree[1];
+      const int32_t worker = worker_of(top);
+      *owner++ = worker;
+      Key key = top + step;
+      largest_ = std::max(largest_, key);
+      size_t node = static_cast<size_t>(workers_) + worker;
+      tree[node] = key;
+      for (; node > 1; node >>= 1) {
+        key = std::min(key, tree[node ^ 1]);
+        tree[node >> 1] = key;
+      }
     }
   }
 
-  // Loads of workers 0..n-1.
-  void loads(std::vector<double>* out) const {
-    out->assign(heap_.size(), 0.0);
-    for (int32_t i = 0; i < idle_; ++i) (*out)[heap_[i].worker] = static_cast<double>(heap_[i].load);
-  }
+  // The busiest worker's load.
+  int64_t max_load() const { return load_of(largest_); }
 
  private:
-  struct Load {
-    int64_t load;
-    int32_t worker;
-    bool operator<(const Load& other) const {
-      return load < other.load || (load == other.load && worker < other.worker);
-    }
-  };
+  int64_t load_of(Key key) const { return static_cast<int64_t>(key >> shift_); }
+  int32_t worker_of(Key key) const { return static_cast<int32_t>(key & worker_mask_); }
 
-  void sift_down(size_t i) {
-    const size_t n = heap_.size();
-    const Load moving = heap_[i];
-    for (size_t child = 2 * i + 1; child < n; child = 2 * i + 1) {
-      if (child + 1 < n && heap_[child + 1] < heap_[child]) ++child;
-      if (!(heap_[child] < moving)) break;
-      heap_[i] = heap_[child];
-      i = child;
+  void build() {
+    for (size_t node = static_cast<size_t>(workers_); node-- > 1;) {
+      tree_[node] = std::min(tree_[2 * node], tree_[2 * node + 1]);
     }
-    heap_[i] = moving;
-  }
-  void make_heap() {
-    for (size_t i = heap_.size() / 2; i-- > 0;) sift_down(i);
   }
 
   // Equal costs c: worker w's loads are L_w, L_w + c, L_w + 2c, ..., and the heap hands items
   // out in the order of (load, worker) over all of those. Writing L_w = level_w * c + rest_w
   // (0 <= rest_w < c), that is level by level, and within a level the workers that have
-  // reached it ordered by (rest_w, w): one sort instead of a sift per item. Used (returns
-  // true) when the levels of the loads are close enough that few passes over the workers are
-  // empty.
+  // reached it ordered by (rest_w, w): one sort (none when the rests are in worker order
+  // already, e.g. all equal) instead of a tree update per item. Used (returns true) when the
+  // levels of the loads are close enough that few passes over the workers are empty.
   bool assign_level_by_level(int64_t cost, int64_t count, int32_t* owner) {
-    const int64_t workers = static_cast<int64_t>(heap_.size());
-    int64_t low = heap_[0].load, high = heap_[0].load;
-    for (const Load& entry : heap_) high = std::max(high, entry.load);
-    if ((high / cost - low / cost) * workers > 4 * count) return false;
-    std::sort(heap_.begin(), heap_.end(), [cost](const Load& a, const Load& b) {
-      const int64_t ra = a.load % cost, rb = b.load % cost;
-      return ra < rb || (ra == rb && a.worker < b.worker);
-    });
+    const int64_t low = load_of(tree_[1]), high = load_of(largest_);
+    if ((high / cost - low / cost) * workers_ > 4 * count) return false;
+    Key* const leaves = tree_.data() + workers_;
+    order_.resize(static_cast<size_t>(workers_));
+    for (int32_t w = 0; w < workers_; ++w) {
+      order_[w] = (static_cast<Key>(load_of(leaves[w]) % cost) << shift_) | static_cast<Key>(w);
+    }
+    if (!std::is_sorted(order_.begin(), order_.end())) std::sort(order_.begin(), order_.end());
     // Level `level` holds loads in [level * c, (level + 1) * c); a worker given an item moves
-    // to the next level.
+    // to the next level. The leaves keep the keys: (load + c) << shift | w = key + step.
+    const Key step = static_cast<Key>(cost) << shift_;
     for (int64_t next_level = (low / cost + 1) * cost; count > 0; next_level += cost) {
-      for (Load& entry : heap_) {
-        if (entry.load >= next_level) continue;
-        *owner++ = entry.worker;
-        entry.load += cost;
+      const Key below = static_cast<Key>(next_level) << shift_;  // keys of loads < next_level
+      for (const Key entry : order_) {
+        const int32_t worker = worker_of(entry);
+        if (leaves[worker] >= below) continue;
+        *owner++ = worker;
+        leaves[worker] += step;
+        largest_ = std::max(largest_, leaves[worker]);
         if (--count == 0) break;
       }
     }
-    make_heap();
+    build();
     return true;
   }
 
-  std::vector<Load> heap_;  // a min-heap once every worker has had an item
-  int32_t idle_ = 0;        // workers idle_.. have had no item yet
+  std::vector<Key>& tree_;
+  std::vector<Key>& order_;
+  const int32_t workers_;
+  const int shift_;
+  const Key worker_mask_;
+  Key largest_ = 0;    // the largest key: the busiest worker
+  int32_t idle_ = 0;   // workers idle_.. have had no item yet
 };
 
-void schedule(Candidate& c, int32_t heads, int32_t workers) {
-  std::sort(c.pieces.begin(), c.pieces.end(), [](const Piece& a, const Piece& b) {
-    if (a.cost != b.cost) return a.cost > b.cost;
-    return a.tile != b.tile ? a.tile < b.tile : a.index < b.index;
-  });
-  c.owner.resize(static_cast<size_t>(c.num_items));
-  LptWorkers lpt(workers);
+// Buffers reused from call to call on a thread: a serving engine plans every step, and once
+// they have grown a plan allocates nothing but its own lists.
+struct PlannerScratch {
+  std::vector<QueryTile> tiles;
+  std::vector<int32_t> chunks[4];  // per split policy
+  Candidate candidates[2];
+  std::vector<uint64_t> sort_keys;
+  std::vector<Piece> sorted_pieces;
+  LptBuffers<uint64_t> lpt64;
+  LptBuffers<unsigned __int128> lpt128;
+  std::vector<int32_t> first_merge, pieces_of, cursor;
+  std::vector<int64_t> first_partial_row;
+
+  // A very large plan's buffers are not kept for the next call.
+  void trim() {
+    constexpr size_t kKeep = size_t{1} << 16;
+    if (tiles.capacity() > kKeep || candidates[0].owner.capacity() > 16 * kKeep ||
+        candidates[1].owner.capacity() > 16 * kKeep) {
+      *this = PlannerScratch();
+    }
+  }
+};
+
+PlannerScratch& planner_scratch() {
+  thread_local PlannerScratch scratch;
+  return scratch;
+}
+
+template <class Key>
+bool schedule_with(Candidate& c, int32_t heads, int32_t workers, int shift, double stop_above,
+                   LptBuffers<Key>& buffers) {
+  LptWorkers<Key> lpt(buffers, workers, shift);
   // for_each_item's order keeps the items of equal-cost pieces together: one run each.
   int64_t position = 0;
   for (size_t run = 0; run < c.pieces.size();) {
@@ -289,9 +402,24 @@ void schedule(Candidate& c, int32_t heads, int32_t workers) {
     lpt.assign(static_cast<int64_t>(c.pieces[run].cost), count, c.owner.data() + position);
     position += count;
     run = end;
+    if (static_cast<double>(lpt.max_load()) > stop_above) return false;
   }
-  lpt.loads(&c.worker_cost);
-  c.makespan = *std::max_element(c.worker_cost.begin(), c.worker_cost.end());
+  c.makespan = static_cast<double>(lpt.max_load());
+  return true;
+}
+
+// Schedules the candidate's (sorted) items; stops early, returning false, once its busiest
+// worker carries more than `stop_above` (loads only grow: it cannot win any more).
+bool schedule(Candidate& c, int32_t heads, int32_t workers, double stop_above,
+              PlannerScratch& scratch) {
+  c.owner.resize(static_cast<size_t>(c.num_items));
+  const int shift = std::bit_width(static_cast<uint32_t>(workers - 1));
+  // Every load is at most the candidate's total cost.
+  const bool fits64 = c.item_cost.exact() &&
+                      (shift == 0 || (static_cast<uint64_t>(c.item_cost.exact_value()) >>
+                                      (64 - shift)) == 0);
+  if (fits64) return schedule_with(c, heads, workers, shift, stop_above, scratch.lpt64);
+  return schedule_with(c, heads, workers, shift, stop_above, scratch.lpt128);
 }
 
 }  // namespace
@@ -391,8 +519,10 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   // 1. Query tiles, each with the key range its rows can see. The num_kv_heads tiles of one
   //    (request, q tile) cost the same, so everything below works per query tile and expands
   //    to the kv heads only when scheduling.
-  std::vector<QueryTile> tiles;
-  double total_cost = 0;
+  PlannerScratch& scratch = planner_scratch();
+  std::vector<QueryTile>& tiles = scratch.tiles;
+  tiles.clear();
+  CostSum total;  // over all items, tile by tile and kv head by kv head
   {
     int64_t count = 0;
     for (int32_t q_len : shape.q_lens) count += (q_len + tokens_per_tile - 1) / tokens_per_tile;
@@ -408,10 +538,11 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
       tile_key_range(mask, q_start, tile.q_len, q_len, kv_len, &tile.kv_start, &tile.kv_end);
       const WorkItem item{b, 0, q_start, tile.q_len, tile.kv_start, tile.kv_end, -1};
       tile.cost = work_item_cost(item, mask, q_len, kv_len, group);
-      for (int32_t h = 0; h < heads; ++h) total_cost += tile.cost;  // same sum as per item
+      total.add(tile.cost, heads);
       tiles.push_back(tile);
     }
   }
+  const double total_cost = total.value();
 
   // 2. Split-KV. Deterministic mode cuts at fixed absolute key positions (multiples of
   //    min_kv_chunk), so the arithmetic of a row never depends on what else is in the batch.
@@ -426,42 +557,53 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   //    result (tests/test_planner.cpp compares it with a direct implementation): a policy
   //    whose cuts equal an earlier policy's (the usual case: no tile exceeds any target) is
   //    skipped, as is one whose lower bound on the busiest worker (its largest piece, its mean
-  //    load) already loses to the best so far; only costs are scheduled while searching, the
-  //    work items are built once for the winner.
+  //    load) already loses to the best so far, and a schedule stops as soon as a worker carries
+  //    more than the best so far; only costs are scheduled while searching, the work items are
+  //    built once for the winner.
   const double fair_share = total_cost / config.num_workers;
-  std::vector<SplitPolicy> policies;
-  if (!config.split_kv || config.deterministic) {
-    policies.push_back({fair_share, true});
-  } else {
-    policies = {{fair_share, true}, {fair_share, false}, {fair_share / 2, false},
-                {fair_share / kSmallestTargetDivisor, false}};
-  }
-  std::vector<std::vector<int32_t>> chunks_seen;  // per policy tried: the chunk of every tile
-  Candidate best, trial;
-  for (const SplitPolicy& policy : policies) {
-    std::vector<int32_t> chunks(tiles.size());
-    for (size_t i = 0; i < tiles.size(); ++i) chunks[i] = split_chunk(tiles[i], config, policy);
-    if (std::find(chunks_seen.begin(), chunks_seen.end(), chunks) != chunks_seen.end()) continue;
-    chunks_seen.push_back(chunks);
-    const bool first = chunks_seen.size() == 1;
-    trial.chunks = std::move(chunks);
-    list_pieces(tiles, config, mask, shape, group, heads, &trial);
+  const SplitPolicy policies[] = {{fair_share, true},
+                                  {fair_share, false},
+                                  {fair_share / 2, false},
+                                  {fair_share / kSmallestTargetDivisor, false}};
+  const int num_policies = !config.split_kv || config.deterministic ? 1 : 4;
+  Candidate* best = &scratch.candidates[0];
+  Candidate* trial = &scratch.candidates[1];
+  for (int p = 0; p < num_policies; ++p) {
+    std::vector<int32_t>& chunks = scratch.chunks[p];
+    chunks.resize(tiles.size());
+    for (size_t i = 0; i < tiles.size(); ++i) {
+      chunks[i] = split_chunk(tiles[i], config, policies[p]);
+    }
+    bool seen = false;  // the same cuts as an earlier policy
+    for (int q = 0; q < p && !seen; ++q) seen = scratch.chunks[q] == chunks;
+    if (seen) continue;
+    const bool first = p == 0;
+    trial->chunks = &chunks;
+    list_pieces(tiles, config, mask, shape, group, heads, trial);
     // A relative margin so that rounding noise never trades balance for more pieces.
-    if (!first && trial.lower_bound(config.num_workers) > best.makespan * (1.0 + 1e-9)) continue;
-    schedule(trial, heads, config.num_workers);
-    if (first || trial.makespan < best.makespan * (1.0 - 1e-9) ||
-        (trial.makespan <= best.makespan * (1.0 + 1e-9) && trial.num_items < best.num_items)) {
+    const double no_better =
+        first ? std::numeric_limits<double>::infinity() : best->makespan * (1.0 + 1e-9);
+    if (!first && trial->lower_bound(config.num_workers) > no_better) continue;
+    sort_pieces(trial->pieces, scratch.sort_keys, scratch.sorted_pieces);
+    if (!schedule(*trial, heads, config.num_workers, no_better, scratch)) continue;
+    if (first || trial->makespan < best->makespan * (1.0 - 1e-9) ||
+        (trial->makespan <= no_better && trial->num_items < best->num_items)) {
       std::swap(best, trial);
     }
   }
 
   // The winner's work items: merges and partial rows in (request, q tile, kv head) order,
   // items grouped by worker, each worker's items in longest-first order.
-  std::vector<int32_t> first_merge(tiles.size()), pieces_of(tiles.size());
-  std::vector<int64_t> first_partial_row(tiles.size());
+  const std::vector<int32_t>& best_chunks = *best->chunks;
+  std::vector<int32_t>& first_merge = scratch.first_merge;
+  std::vector<int32_t>& pieces_of = scratch.pieces_of;
+  std::vector<int64_t>& first_partial_row = scratch.first_partial_row;
+  first_merge.resize(tiles.size());
+  pieces_of.resize(tiles.size());
+  first_partial_row.resize(tiles.size());
   for (size_t i = 0; i < tiles.size(); ++i) {
     const QueryTile& tile = tiles[i];
-    pieces_of[i] = piece_count(tile, best.chunks[i], config.deterministic);
+    pieces_of[i] = piece_count(tile, best_chunks[i], config.deterministic);
     first_merge[i] = static_cast<int32_t>(plan.merges.size());
     first_partial_row[i] = plan.num_partial_rows;
     if (pieces_of[i] == 1) continue;
@@ -472,15 +614,17 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
       plan.num_partial_rows += static_cast<int64_t>(rows) * pieces_of[i];
     }
   }
+  const std::vector<int32_t>& owner = best->owner;
   plan.worker_indptr.assign(config.num_workers + 1, 0);
-  for (int32_t worker : best.owner) ++plan.worker_indptr[worker + 1];
+  for (int32_t worker : owner) ++plan.worker_indptr[worker + 1];
   for (int32_t w = 0; w < config.num_workers; ++w) {
     plan.worker_indptr[w + 1] += plan.worker_indptr[w];
   }
-  std::vector<int32_t> cursor(plan.worker_indptr.begin(), plan.worker_indptr.end() - 1);
-  plan.work.resize(best.owner.size());
+  std::vector<int32_t>& cursor = scratch.cursor;
+  cursor.assign(plan.worker_indptr.begin(), plan.worker_indptr.end() - 1);
+  plan.work.resize(owner.size());
   size_t position = 0;
-  for_each_item(best, heads, [&](const Piece& piece, int32_t h) {
+  for_each_item(*best, heads, [&](const Piece& piece, int32_t h) {
     const QueryTile& tile = tiles[piece.tile];
     WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end, -1};
     if (pieces_of[piece.tile] > 1) {
@@ -490,13 +634,11 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
                                                   rows);
       item.merge_index = first_merge[piece.tile] + h;
     }
-    plan.work[cursor[best.owner[position++]]++] = item;
+    plan.work[cursor[owner[position++]]++] = item;
   });
-  const std::vector<double>& worker_cost = best.worker_cost;
-
   plan.total_cost = total_cost;
-  plan.max_worker_cost =
-      worker_cost.empty() ? 0.0 : *std::max_element(worker_cost.begin(), worker_cost.end());
+  plan.max_worker_cost = best->makespan;  // the busiest worker's load
+  scratch.trim();
   if (capacity.fixed()) {
     const auto exceeds = [&](const char* what, int64_t needed, int64_t limit) {
       if (needed > limit) {
