@@ -453,6 +453,72 @@ TEST(Planner, FastSearchChoosesTheReferencePlan) {
   }
 }
 
+// The planner after issue 5's second pass (winner-tree LPT on packed keys, level-by-level
+// runs, integer sums, early-stopped candidates, reused per-thread buffers) against the direct
+// implementation above, on many serving-sized batches: an H200's decode and prefill knobs and
+// others, worker counts around powers of two (the tree's shape), batches of equal costs (long
+// runs, level by level) and of distinct costs, and skewed ones where split policies compete.
+// Each shape is planned twice in a row (the second call reuses the buffers of the first).
+TEST(Planner, ServingBatchesMatchTheReferencePlan) {
+  std::mt19937_64 rng(20260505);
+  const auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int with_merges = 0;
+  for (int trial = 0; trial < 600; ++trial) {
+    PlanShape shape;
+    const int op_kind = trial % 3;
+    shape.op = op_kind == 0   ? AttentionOp::kDecode
+               : op_kind == 1 ? AttentionOp::kPagedPrefill
+                              : AttentionOp::kRaggedPrefill;
+    const bool decode = shape.op == AttentionOp::kDecode;
+    shape.num_kv_heads = std::vector<int>{1, 2, 4, 8}[uniform(0, 3)];
+    shape.num_qo_heads = shape.num_kv_heads * std::vector<int>{1, 4, 8}[uniform(0, 2)];
+    shape.head_dim = 128;
+    shape.page_size = 16;
+    shape.options.causal = !decode && uniform(0, 3) != 0;
+    if (uniform(0, 5) == 0) shape.options.window_left = uniform(0, 4096);
+    const int batch = decode ? uniform(1, 512) : uniform(1, 64);
+    const int q_per_request = decode ? std::vector<int>{1, 1, 1, 2, 4}[uniform(0, 4)] : 1;
+    const int kind = uniform(0, 5);  // uniform, random, skewed, bimodal, tiny, mixed
+    const int base = uniform(1, 32768);
+    for (int b = 0; b < batch; ++b) {
+      int kv = base;
+      if (kind == 1) kv = uniform(1, 32768);
+      if (kind == 2) kv = b == 0 ? uniform(16384, 131072) : uniform(16, 1024);
+      if (kind == 3) kv = uniform(0, 1) ? 512 : 16384;
+      if (kind == 4) kv = uniform(0, 64);
+      int q = decode ? q_per_request : uniform(1, std::min(512, std::max(1, kv)));
+      if (kind == 5 && !decode) q = b < 3 ? uniform(300, 2000) : 1;
+      if (!decode) kv = std::max(kv, q);
+      shape.q_lens.push_back(q);
+      shape.kv_lens.push_back(kv);
+    }
+    PlanConfig config;
+    const int group = shape.num_qo_heads / shape.num_kv_heads;
+    if (uniform(0, 1) == 0) {  // an H200's knobs (bench --suite plan)
+      config.q_tile_rows = std::max(decode ? 64 : 128, group);
+      config.num_workers = decode ? 264 : 132;
+      config.min_kv_chunk = decode ? 128 : 512;
+      config.deterministic_kv_chunk = decode ? 512 : 0;
+    } else {
+      config.q_tile_rows = std::max(std::vector<int>{16, 64, 128}[uniform(0, 2)], group);
+      config.num_workers = std::vector<int>{1, 2, 3, 63, 64, 65, 127, 128, 129, 264, 1000,
+                                            4096}[uniform(0, 11)];
+      config.min_kv_chunk = std::vector<int>{64, 128, 256, 512, 1000}[uniform(0, 4)];
+    }
+    config.split_kv = uniform(0, 9) != 0;
+    config.deterministic = uniform(0, 7) == 0;
+    SCOPED_TRACE("serving trial " + std::to_string(trial));
+    const Plan plan = make_plan(shape, config);
+    expect_same_as_reference(shape, plan);
+    if (HasFatalFailure()) return;
+    const Plan again = make_plan(shape, config);
+    expect_same_as_reference(shape, again);
+    if (HasFatalFailure()) return;
+    with_merges += !plan.merges.empty();
+  }
+  EXPECT_GT(with_merges, 100) << "too few trials split a key range";
+}
+
 TEST(Planner, GroupLargerThanTileIsAClearError) {
   PlanShape shape;
   shape.q_lens = {1};
