@@ -126,9 +126,10 @@ class CostSum {
     if (exact_) {
       if (cost >= 0 && cost < static_cast<double>(kExactDoubles)) {
         const int64_t whole = static_cast<int64_t>(cost);
-        if (whole == cost && times >= 0 &&
-            (whole == 0 || times <= (kExactDoubles - sum_) / whole)) {
-          sum_ += whole * times;
+        // whole < 2^53 and times < 2^31: the product fits in 128 bits.
+        const __int128 added = static_cast<__int128>(whole) * times;
+        if (whole == cost && times >= 0 && added <= kExactDoubles - sum_) {
+          sum_ += static_cast<int64_t>(added);
           return;
         }
       }
@@ -154,7 +155,7 @@ struct Candidate {
   int64_t num_items = 0;        // pieces x kv heads
   CostSum item_cost;            // over all items
   double largest = 0;           // cost of the largest item
-  std::vector<int32_t> owner;   // worker of each item, in for_each_item order
+  std::vector<int32_t> owner;   // worker of each item, in item order (below)
   double makespan = 0;
 
   // No schedule's busiest worker carries less than its largest item or the mean load.
@@ -231,25 +232,10 @@ void sort_pieces(std::vector<Piece>& pieces, std::vector<uint64_t>& keys,
   pieces.swap(sorted);
 }
 
-// Calls f(piece, kv_head) for the candidate's items longest first; equal costs in the order the
-// items are made (request, q tile, kv head, piece), i.e. what a stable sort of that list gives.
-// Pieces are sorted by (cost desc, tile, piece), so equal-cost pieces of one tile are adjacent:
-// they are expanded kv head by kv head.
-template <class F>
-void for_each_item(const Candidate& c, int32_t heads, F&& f) {
-  const std::vector<Piece>& pieces = c.pieces;
-  for (size_t run = 0; run < pieces.size();) {
-    size_t end = run + 1;
-    while (end < pieces.size() && pieces[end].cost == pieces[run].cost &&
-           pieces[end].tile == pieces[run].tile) {
-      ++end;
-    }
-    for (int32_t h = 0; h < heads; ++h) {
-      for (size_t p = run; p < end; ++p) f(pieces[p], h);
-    }
-    run = end;
-  }
-}
+// Item order: the candidate's items longest first; equal costs in the order the items are made
+// (request, q tile, kv head, piece), i.e. what a stable sort of that list gives. Pieces are
+// sorted by (cost desc, tile, piece), so equal-cost pieces of one tile are adjacent: they are
+// expanded kv head by kv head. The schedule and the work list both follow this order.
 
 // 3. LPT: longest item first onto the least-loaded worker (ties: lowest index), so the plan is
 //    deterministic and the most expensive items start first.
@@ -393,7 +379,7 @@ template <class Key>
 bool schedule_with(Candidate& c, int32_t heads, int32_t workers, int shift, double stop_above,
                    LptBuffers<Key>& buffers) {
   LptWorkers<Key> lpt(buffers, workers, shift);
-  // for_each_item's order keeps the items of equal-cost pieces together: one run each.
+  // The item order keeps the items of equal-cost pieces together: one run each.
   int64_t position = 0;
   for (size_t run = 0; run < c.pieces.size();) {
     size_t end = run + 1;
@@ -565,7 +551,18 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
                                   {fair_share, false},
                                   {fair_share / 2, false},
                                   {fair_share / kSmallestTargetDivisor, false}};
-  const int num_policies = !config.split_kv || config.deterministic ? 1 : 4;
+  int num_policies = !config.split_kv || config.deterministic ? 1 : 4;
+  if (num_policies > 1) {
+    // No tile that may be split costs more than the smallest target: every policy leaves
+    // every tile whole (split_chunk), so the others would be skipped as duplicates.
+    double largest_splittable = 0;
+    for (const QueryTile& tile : tiles) {
+      if (tile.kv_end - tile.kv_start > config.min_kv_chunk) {
+        largest_splittable = std::max(largest_splittable, tile.cost);
+      }
+    }
+    if (!(largest_splittable > policies[num_policies - 1].target)) num_policies = 1;
+  }
   Candidate* best = &scratch.candidates[0];
   Candidate* trial = &scratch.candidates[1];
   for (int p = 0; p < num_policies; ++p) {
@@ -623,19 +620,43 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   std::vector<int32_t>& cursor = scratch.cursor;
   cursor.assign(plan.worker_indptr.begin(), plan.worker_indptr.end() - 1);
   plan.work.resize(owner.size());
-  size_t position = 0;
-  for_each_item(*best, heads, [&](const Piece& piece, int32_t h) {
-    const QueryTile& tile = tiles[piece.tile];
-    WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end, -1};
-    if (pieces_of[piece.tile] > 1) {
-      const int64_t rows = int64_t{tile.q_len} * group;
-      item.partial_row = static_cast<int32_t>(first_partial_row[piece.tile] +
-                                              (int64_t{h} * pieces_of[piece.tile] + piece.index) *
-                                                  rows);
-      item.merge_index = first_merge[piece.tile] + h;
+  // Items in the schedule's order (see item order above), one run of a tile's equal-cost pieces
+  // at a time, each to the next free slot of its worker.
+  WorkItem* const work = plan.work.data();
+  int32_t* const next_slot = cursor.data();
+  const int32_t* worker_of_item = owner.data();
+  const std::vector<Piece>& pieces = best->pieces;
+  for (size_t run = 0; run < pieces.size();) {
+    size_t end = run + 1;
+    while (end < pieces.size() && pieces[end].cost == pieces[run].cost &&
+           pieces[end].tile == pieces[run].tile) {
+      ++end;
     }
-    plan.work[cursor[owner[position++]]++] = item;
-  });
+    const int32_t t = pieces[run].tile;
+    const QueryTile& tile = tiles[t];
+    const int32_t splits = pieces_of[t];
+    if (splits == 1) {  // a whole tile: one piece
+      WorkItem item{tile.request, 0, tile.q_start, tile.q_len, tile.kv_start, tile.kv_end, -1};
+      for (int32_t h = 0; h < heads; ++h) {
+        item.kv_head = h;
+        work[next_slot[*worker_of_item++]++] = item;
+      }
+    } else {
+      const int64_t rows = int64_t{tile.q_len} * group;
+      for (int32_t h = 0; h < heads; ++h) {
+        for (size_t p = run; p < end; ++p) {
+          const Piece& piece = pieces[p];
+          WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end,
+                        -1};
+          item.partial_row = static_cast<int32_t>(
+              first_partial_row[t] + (int64_t{h} * splits + piece.index) * rows);
+          item.merge_index = first_merge[t] + h;
+          work[next_slot[*worker_of_item++]++] = item;
+        }
+      }
+    }
+    run = end;
+  }
   plan.total_cost = total_cost;
   plan.max_worker_cost = best->makespan;  // the busiest worker's load
   scratch.trim();
