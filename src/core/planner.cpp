@@ -124,14 +124,15 @@ class CostSum {
  public:
   void add(double cost, int32_t times) {
     if (exact_) {
-      if (cost >= 0 && cost < static_cast<double>(kExactDoubles)) {
-        const int64_t whole = static_cast<int64_t>(cost);
-        // whole < 2^53 and times < 2^31: the product fits in 128 bits.
-        const __int128 added = static_cast<__int128>(whole) * times;
-        if (whole == cost && times >= 0 && added <= kExactDoubles - sum_) {
-          sum_ += static_cast<int64_t>(added);
-          return;
-        }
+      // cost x times and the sum so far both at most 2^52 (checked in doubles: a product
+      // that rounds to <= 2^52 is <= 2^52 exactly, being a whole number): the new sum is at
+      // most 2^53. A whole cost below 2^53 converts exactly.
+      constexpr double kHalf = static_cast<double>(kExactDoubles / 2);
+      const int64_t whole = static_cast<int64_t>(cost);
+      if (cost * times <= kHalf && sum_ <= kExactDoubles / 2 && cost >= 0 && times >= 0 &&
+          static_cast<double>(whole) == cost) {
+        sum_ += whole * times;
+        return;
       }
       exact_ = false;
       value_ = static_cast<double>(sum_);
@@ -277,8 +278,8 @@ class LptWorkers {
     if (count == 0) return;
     if (count >= workers_ && assign_level_by_level(cost, count, owner)) return;
     Key* const tree = tree_.data();
+    Key top = tree[1];  // carried in a register from one item to the next
     for (; count > 0; --count) {
-      const Key top = tree[1];
       const int32_t worker = worker_of(top);
       *owner++ = worker;
       Key key = top + step;
@@ -289,6 +290,7 @@ class LptWorkers {
         key = std::min(key, tree[node ^ 1]);
         tree[node >> 1] = key;
       }
+      top = key;  // the root
     }
   }
 
