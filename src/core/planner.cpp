@@ -307,7 +307,7 @@ class LptWorkers {
     }
   }
 
-  // Equal costs c: worker w's loads are L_w, L_w + c, L_w + 2c, ..., and the heap hands items
+  // Equal costs c: worker w's loads are L_w, L_w + c, L_w + 2c, ..., and the tree hands items
   // out in the order of (load, worker) over all of those. Writing L_w = level_w * c + rest_w
   // (0 <= rest_w < c), that is level by level, and within a level the workers that have
   // reached it ordered by (rest_w, w): one sort (none when the rests are in worker order
