@@ -32,7 +32,7 @@
 #include <tessera/tessera.h>
 
 /* Bumped when the Python side (_fast.py) and this module must change together. */
-#define FASTCALL_VERSION 1
+#define FASTCALL_VERSION 2
 #define MAX_NDIM 8
 #define MAX_DTYPES 32
 #define NPY_C_CONTIGUOUS 0x1
@@ -98,7 +98,11 @@ typedef struct {
 } exchange_api;
 
 static const exchange_api* torch_exchange; /* NULL: read the tensor's attributes */
+static PyObject* torch_exchange_capsule;   /* owns torch_exchange (a strong reference) */
 static int torch_exchange_stream;          /* use exchange->current_work_stream */
+/* run() describes torch tensors only once _fast.py has self-tested the settings init_torch
+ * made (enable_torch); describe() (the self-test) reads them regardless. */
+static int torch_ready;
 
 static PyObject *s_dtype, *s_layout, *s_is_cuda, *s_is_cpu, *s_get_device, *s_data_ptr, *s_shape,
     *s_stride;
@@ -164,13 +168,22 @@ static int read_int64_tuple(PyObject* tuple, int64_t* values, Py_ssize_t expecte
   return (int)n;
 }
 
+/* An error while describing: an ordinary exception is dropped (0: the ctypes path redoes the
+ * work and raises its own error); KeyboardInterrupt, SystemExit, MemoryError, ... (raised by a
+ * torch-function mode, a signal handler, ...) stay set (-1: the call raises it). */
+static int not_handled(void) {
+  if (PyErr_Occurred() == NULL) return 0;
+  if (PyErr_ExceptionMatches(PyExc_Exception) && !PyErr_ExceptionMatches(PyExc_MemoryError)) {
+    PyErr_Clear();
+    return 0;
+  }
+  return -1;
+}
+
 /* Through the exchange API: one C call; shape/strides are copied (the producer owns them). */
 static int describe_torch_exchange(PyObject* obj, desc* d) {
   DLTensor t;
-  if (torch_exchange->dltensor_from_py_object_no_sync(obj, &t) != 0) {
-    PyErr_Clear(); /* the ctypes path raises its own error */
-    return 0;
-  }
+  if (torch_exchange->dltensor_from_py_object_no_sync(obj, &t) != 0) return not_handled();
   int nd = t.ndim;
   if (nd < 1 || nd > MAX_NDIM) return 0;
   if (t.device.device_type != kDLCPU && t.device.device_type != kDLCUDA) return 0;
@@ -256,14 +269,16 @@ static int describe_torch(PyObject* obj, desc* d) {
   d->t.byte_offset = 0;
   return 1;
 fail:
-  PyErr_Clear(); /* the ctypes path redoes it and raises its own error */
-  return 0;
+  return not_handled(); /* the ctypes path redoes it and raises its own error */
 }
 
-static int describe(PyObject* obj, int writable, desc* d) {
+/* 1: described; 0: not handled (nothing pending); -1: an error to raise (see not_handled).
+ * any_torch: torch tensors also before enable_torch (describe(), the self-test). */
+static int describe(PyObject* obj, int writable, desc* d, int any_torch) {
   PyObject* type = (PyObject*)Py_TYPE(obj);
   if (type == numpy_type && numpy_type != NULL) return describe_numpy(obj, writable, d);
-  if ((type == torch_type || type == torch_param_type) && torch_type != NULL) {
+  if ((type == torch_type || type == torch_param_type) && torch_type != NULL &&
+      (torch_ready || any_torch)) {
     return describe_torch(obj, d);
   }
   return 0;
@@ -340,8 +355,6 @@ typedef struct {
   const DLTensor* index[4]; /* decode/paged: page_indptr, page_indices, last_page_len, qo_indptr
                                (paged prefill); ragged: qo_indptr, kv_indptr */
   PyObject* keep;           /* owners of plan, index descriptors, workspace */
-  long timing_repeat;       /* > 0 (benchmarks only): call the C function this many times */
-  double timing_ns;         /* and the nanoseconds per C call (GIL release included) */
 } Runner;
 
 static PyObject* runner_type;
@@ -353,108 +366,153 @@ static void runner_dealloc(PyObject* self) {
   Py_DECREF(type);
 }
 
-static int paged_kv_of(PyObject* arg, desc* k, desc* v) {
-  if (PyTuple_CheckExact(arg) || PyList_CheckExact(arg)) {
-    int tuple = PyTuple_CheckExact(arg);
-    Py_ssize_t n = tuple ? PyTuple_Size(arg) : PyList_Size(arg);
-    if (n != 2) return 0;
-    PyObject* k_obj = tuple ? PyTuple_GetItem(arg, 0) : PyList_GetItem(arg, 0);
-    PyObject* v_obj = tuple ? PyTuple_GetItem(arg, 1) : PyList_GetItem(arg, 1);
-    return describe(k_obj, 0, k) && describe(v_obj, 0, v);
-  }
-  desc both;
-  return describe(arg, 0, &both) && split_combined(&both, k, v);
+/* Runners are made by runner() (make_runner) only: Runner() from Python would have no C
+ * function or plan. */
+static PyObject* runner_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyErr_SetString(PyExc_TypeError,
+                  "tessera._fastcall.Runner cannot be created from Python (plan() makes it)");
+  return NULL;
 }
 
-/* runner(q, paged_kv_cache, out, lse) / ragged: runner(q, k, v, out, lse); lse may be None.
+/* K and V of run()'s paged_kv_cache: a (k, v) tuple or list, or one [num_pages, 2, ...] tensor.
+ * A list is copied to a tuple first, returned in *hold (a new reference the caller releases
+ * after the C call, NULL otherwise): describing k may run Python code (a torch-function mode
+ * intercepting the attributes) that empties the list, which would free v under us; the tuple
+ * keeps both alive until the C function has returned. Returns as describe(). */
+static int paged_kv_of(PyObject* arg, desc* k, desc* v, int any_torch, PyObject** hold) {
+  *hold = NULL;
+  if (PyList_CheckExact(arg)) {
+    if (PyList_Size(arg) != 2) return 0;
+    arg = PyList_AsTuple(arg);
+    if (arg == NULL) return -1;
+    *hold = arg;
+  }
+  if (PyTuple_CheckExact(arg)) {
+    if (PyTuple_Size(arg) != 2) return 0;
+    int r = describe(PyTuple_GetItem(arg, 0), 0, k, any_torch);
+    if (r <= 0) return r;
+    return describe(PyTuple_GetItem(arg, 1), 0, v, any_torch);
+  }
+  desc both;
+  int r = describe(arg, 0, &both, any_torch);
+  if (r <= 0) return r;
+  return split_combined(&both, k, v);
+}
+
+/* One run() of the runner's plan: describes the arguments, calls the C function `repeat` times
+ * (1 for run(); more only for time_c_call, the benchmarks' timing) and, when ns is not NULL,
+ * stores the nanoseconds per C call there. The repeat count is an argument, never state of the
+ * shared Runner, so a concurrent run() on the same runner calls the C function once.
  * Returns the tessera_status, or -1: not handled, take the ctypes path. */
-static PyObject* runner_call(PyObject* self_, PyObject* args, PyObject* kwargs) {
-  Runner* self = (Runner*)self_;
+static PyObject* runner_run(Runner* self, PyObject* args, long repeat, double* ns) {
+  if (self->function == NULL || self->plan == NULL) {
+    PyErr_SetString(PyExc_TypeError, "tessera._fastcall.Runner without a plan");
+    return NULL;
+  }
   int ragged = self->op == OP_RAGGED_PREFILL;
   Py_ssize_t expected = ragged ? 5 : 4;
-  if (PyTuple_Size(args) != expected || (kwargs != NULL && PyDict_Size(kwargs) != 0)) {
+  if (PyTuple_Size(args) != expected) {
     PyErr_Format(PyExc_TypeError, "tessera._fastcall.Runner takes %d positional arguments",
                  (int)expected);
     return NULL;
   }
   desc q, k, v, o, lse;
-  PyObject* q_obj = PyTuple_GetItem(args, 0);
-  if (!describe(q_obj, 0, &q)) goto decline;
+  PyObject* hold = NULL; /* a list paged_kv_cache as a tuple (paged_kv_of) */
+  int r = describe(PyTuple_GetItem(args, 0), 0, &q, 0);
+  if (r <= 0) goto not_described;
   if (ragged) {
-    if (!describe(PyTuple_GetItem(args, 1), 0, &k) || !describe(PyTuple_GetItem(args, 2), 0, &v))
-      goto decline;
+    if ((r = describe(PyTuple_GetItem(args, 1), 0, &k, 0)) <= 0 ||
+        (r = describe(PyTuple_GetItem(args, 2), 0, &v, 0)) <= 0)
+      goto not_described;
     if (self->layout == TESSERA_KV_LAYOUT_HND && (!hnd_to_nhd(&k) || !hnd_to_nhd(&v)))
       goto decline;
-  } else if (!paged_kv_of(PyTuple_GetItem(args, 1), &k, &v)) {
-    goto decline;
+  } else if ((r = paged_kv_of(PyTuple_GetItem(args, 1), &k, &v, 0, &hold)) <= 0) {
+    goto not_described;
   }
-  if (!describe(PyTuple_GetItem(args, expected - 2), 1, &o)) goto decline;
+  if ((r = describe(PyTuple_GetItem(args, expected - 2), 1, &o, 0)) <= 0) goto not_described;
   PyObject* lse_obj = PyTuple_GetItem(args, expected - 1);
   int have_lse = lse_obj != Py_None;
-  if (have_lse && !describe(lse_obj, 1, &lse)) goto decline;
+  if (have_lse && (r = describe(lse_obj, 1, &lse, 0)) <= 0) goto not_described;
 
   void* stream = NULL;
   if (q.t.device.device_type == kDLCUDA && torch_exchange_stream) {
     if (torch_exchange->current_work_stream(kDLCUDA, q.t.device.device_id, &stream) != 0)
-      return NULL; /* its Python exception */
+      goto error; /* its Python exception */
   } else if (q.t.device.device_type == kDLCUDA) {
     if (torch_stream == NULL) goto decline;
     PyObject* index = PyLong_FromLong(q.t.device.device_id);
-    if (index == NULL) return NULL;
+    if (index == NULL) goto error;
     PyObject* value = PyObject_CallFunctionObjArgs(torch_stream, index, NULL);
     Py_DECREF(index);
-    if (value == NULL) return NULL; /* the stream getter failed: its error */
+    if (value == NULL) goto error; /* the stream getter failed: its error */
     stream = value == Py_None ? NULL : PyLong_AsVoidPtr(value);
     Py_DECREF(value);
-    if (stream == NULL && PyErr_Occurred()) return NULL;
+    if (stream == NULL && PyErr_Occurred()) goto error;
   }
 
   const DLTensor* lse_t = have_lse ? &lse.t : NULL;
   tessera_status status = 0;
-  long repeat = self->timing_repeat > 0 ? self->timing_repeat : 1;
-  if (self->timing_repeat > 0) self->timing_ns = -1.0;
   struct timespec start, stop;
-  if (self->timing_repeat > 0) clock_gettime(CLOCK_MONOTONIC, &start);
+  if (ns != NULL) {
+    *ns = -1.0;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+  }
   ++calls_served;
-  for (long r = 0; r < repeat && status == 0; ++r) {
-  if (ragged) {
-    run_ragged_prefill_fn run = (run_ragged_prefill_fn)self->function;
-    Py_BEGIN_ALLOW_THREADS
-    status = run((const tessera_plan*)self->plan, &q.t, &k.t, &v.t, self->index[0],
-                 self->index[1], &o.t, lse_t, self->workspace, self->workspace_bytes, stream);
-    Py_END_ALLOW_THREADS
-  } else {
-    tessera_paged_kv kv;
-    kv.k_cache = &k.t;
-    kv.v_cache = &v.t;
-    kv.page_indptr = self->index[0];
-    kv.page_indices = self->index[1];
-    kv.last_page_len = self->index[2];
-    kv.layout = self->layout;
-    if (self->op == OP_DECODE) {
-      run_decode_fn run = (run_decode_fn)self->function;
+  for (long i = 0; i < repeat && status == 0; ++i) {
+    if (ragged) {
+      run_ragged_prefill_fn run = (run_ragged_prefill_fn)self->function;
       Py_BEGIN_ALLOW_THREADS
-      status = run((const tessera_plan*)self->plan, &q.t, &kv, &o.t, lse_t, self->workspace,
-                   self->workspace_bytes, stream);
+      status = run((const tessera_plan*)self->plan, &q.t, &k.t, &v.t, self->index[0],
+                   self->index[1], &o.t, lse_t, self->workspace, self->workspace_bytes, stream);
       Py_END_ALLOW_THREADS
     } else {
-      run_paged_prefill_fn run = (run_paged_prefill_fn)self->function;
-      Py_BEGIN_ALLOW_THREADS
-      status = run((const tessera_plan*)self->plan, &q.t, &kv, self->index[3], &o.t, lse_t,
-                   self->workspace, self->workspace_bytes, stream);
-      Py_END_ALLOW_THREADS
+      tessera_paged_kv kv;
+      kv.k_cache = &k.t;
+      kv.v_cache = &v.t;
+      kv.page_indptr = self->index[0];
+      kv.page_indices = self->index[1];
+      kv.last_page_len = self->index[2];
+      kv.layout = self->layout;
+      if (self->op == OP_DECODE) {
+        run_decode_fn run = (run_decode_fn)self->function;
+        Py_BEGIN_ALLOW_THREADS
+        status = run((const tessera_plan*)self->plan, &q.t, &kv, &o.t, lse_t, self->workspace,
+                     self->workspace_bytes, stream);
+        Py_END_ALLOW_THREADS
+      } else {
+        run_paged_prefill_fn run = (run_paged_prefill_fn)self->function;
+        Py_BEGIN_ALLOW_THREADS
+        status = run((const tessera_plan*)self->plan, &q.t, &kv, self->index[3], &o.t, lse_t,
+                     self->workspace, self->workspace_bytes, stream);
+        Py_END_ALLOW_THREADS
+      }
     }
   }
-  }
-  if (self->timing_repeat > 0) {
+  if (ns != NULL) {
     clock_gettime(CLOCK_MONOTONIC, &stop);
-    self->timing_ns = ((double)(stop.tv_sec - start.tv_sec) * 1e9 +
-                       (double)(stop.tv_nsec - start.tv_nsec)) / (double)repeat;
+    *ns = ((double)(stop.tv_sec - start.tv_sec) * 1e9 +
+           (double)(stop.tv_nsec - start.tv_nsec)) / (double)repeat;
   }
+  Py_XDECREF(hold); /* k and v stayed alive until the C function returned */
   return PyLong_FromLong((long)status);
+not_described:
+  if (r < 0) goto error;
 decline:
+  Py_XDECREF(hold);
   ++calls_declined;
   return PyLong_FromLong(-1);
+error:
+  Py_XDECREF(hold);
+  return NULL;
+}
+
+/* runner(q, paged_kv_cache, out, lse) / ragged: runner(q, k, v, out, lse); lse may be None. */
+static PyObject* runner_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  if (kwargs != NULL && PyDict_Size(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "tessera._fastcall.Runner takes no keyword arguments");
+    return NULL;
+  }
+  return runner_run((Runner*)self, args, 1, NULL);
 }
 
 /* time_c_call(runner, repeat, q, ..., lse): the runner's call with its C function called
@@ -478,17 +536,16 @@ static PyObject* py_time_c_call(PyObject* module, PyObject* args) {
   }
   PyObject* rest = PyTuple_GetSlice(args, 2, n);
   if (rest == NULL) return NULL;
-  Runner* self = (Runner*)runner;
-  self->timing_repeat = repeat;
-  PyObject* status = runner_call(runner, rest, NULL);
-  self->timing_repeat = 0;
+  double ns = -1.0;
+  PyObject* status = runner_run((Runner*)runner, rest, repeat, &ns);
   Py_DECREF(rest);
   if (status == NULL) return NULL;
-  return Py_BuildValue("(Nd)", status, self->timing_ns);
+  return Py_BuildValue("(Nd)", status, ns);
 }
 
 static PyType_Slot runner_slots[] = {
     {Py_tp_dealloc, (void*)runner_dealloc},
+    {Py_tp_new, (void*)runner_new},
     {Py_tp_call, (void*)runner_call},
     {Py_tp_doc, (void*)"One plan's run() (made by tessera._fast.runner)."},
     {0, NULL},
@@ -526,8 +583,6 @@ static PyObject* make_runner(PyObject* module, PyObject* args) {
   self->workspace = address_of(workspace);
   self->workspace_bytes = (size_t)workspace_bytes;
   for (int i = 0; i < 4; ++i) self->index[i] = NULL;
-  self->timing_repeat = 0;
-  self->timing_ns = -1.0;
   for (Py_ssize_t i = 0; i < needed; ++i) {
     self->index[i] = (const DLTensor*)address_of(PyTuple_GetItem(indices, i));
   }
@@ -592,7 +647,9 @@ static PyObject* init_numpy(PyObject* module, PyObject* args) {
 }
 
 /* init_torch(tensor_type, parameter_type, strided, stream_getter, normalize_strides,
- *            [(dtype, code, bits, itemsize), ...]) or init_torch(None) to turn torch off. */
+ *            [(dtype, code, bits, itemsize), ...], exchange_capsule=None, exchange_stream=False)
+ * or init_torch(None) to turn torch off. Either way run() stops describing torch tensors until
+ * enable_torch() (after _fast.py's self-test of these settings through describe()). */
 static PyObject* init_torch(PyObject* module, PyObject* args) {
   PyObject *type, *param = NULL, *strided = NULL, *stream = NULL, *entries = NULL,
                   *exchange = Py_None;
@@ -610,8 +667,10 @@ static PyObject* init_torch(PyObject* module, PyObject* args) {
       return NULL;
     }
   }
+  torch_ready = 0;
   torch_exchange = NULL;
   torch_exchange_stream = 0;
+  Py_CLEAR(torch_exchange_capsule);
   Py_CLEAR(torch_type);
   Py_CLEAR(torch_param_type);
   Py_CLEAR(torch_strided);
@@ -632,19 +691,43 @@ static PyObject* init_torch(PyObject* module, PyObject* args) {
     Py_INCREF(stream);
     torch_stream = stream;
   }
-  torch_exchange = api; /* the capsule lives on torch.Tensor for the whole process */
+  if (api != NULL) {
+    Py_INCREF(exchange); /* the capsule owns the function table: keep it while it is used */
+    torch_exchange_capsule = exchange;
+  }
+  torch_exchange = api;
   torch_exchange_stream = api != NULL && exchange_stream;
   Py_INCREF(type);
   torch_type = type;
   Py_RETURN_NONE;
 }
 
-/* stream(device_id): the stream run() passes for a torch CUDA q on that device (self-test). */
-static PyObject* py_stream(PyObject* module, PyObject* arg) {
+/* enable_torch(): run() describes torch tensors with the settings of the last init_torch
+ * (once _fast.py's self-test has passed); returns whether torch is on. */
+static PyObject* py_enable_torch(PyObject* module, PyObject* unused) {
+  torch_ready = torch_type != NULL;
+  return PyBool_FromLong(torch_ready);
+}
+
+/* stream(device_id, exchange=None): the stream run() passes for a torch CUDA q on that device;
+ * exchange=True / False: the stream the exchange API's current_work_stream / the stream getter
+ * gives, whatever run() uses now (the self-test checks a setting before it is switched on). */
+static PyObject* py_stream(PyObject* module, PyObject* args) {
+  PyObject *arg, *mode = Py_None;
+  if (!PyArg_ParseTuple(args, "O|O", &arg, &mode)) return NULL;
   long index = PyLong_AsLong(arg);
   if (index == -1 && PyErr_Occurred()) return NULL;
+  int exchange = torch_exchange_stream;
+  if (mode != Py_None) {
+    exchange = PyObject_IsTrue(mode);
+    if (exchange < 0) return NULL;
+  }
   void* stream = NULL;
-  if (torch_exchange_stream) {
+  if (exchange) {
+    if (torch_exchange == NULL) {
+      PyErr_SetString(PyExc_RuntimeError, "tessera._fastcall: no DLPack exchange API");
+      return NULL;
+    }
     if (torch_exchange->current_work_stream(kDLCUDA, (int32_t)index, &stream) != 0) return NULL;
   } else if (torch_stream != NULL) {
     PyObject* value = PyObject_CallFunctionObjArgs(torch_stream, arg, NULL);
@@ -659,7 +742,8 @@ static PyObject* py_stream(PyObject* module, PyObject* arg) {
 }
 
 /* set_exchange_stream(flag): take torch's current stream from the exchange API (once _fast.py
- * has checked it against torch's own getter on a CUDA device) instead of the stream getter. */
+ * has checked it, through stream(device_id, True), against torch's own getter on a CUDA
+ * device) instead of the stream getter. */
 static PyObject* py_set_exchange_stream(PyObject* module, PyObject* arg) {
   int flag = PyObject_IsTrue(arg);
   if (flag < 0) return NULL;
@@ -669,6 +753,7 @@ static PyObject* py_set_exchange_stream(PyObject* module, PyObject* arg) {
 
 static PyObject* py_torch_mode(PyObject* module, PyObject* unused) {
   if (torch_type == NULL) return PyUnicode_FromString("off");
+  if (!torch_ready) return PyUnicode_FromString("not enabled");
   return PyUnicode_FromString(torch_exchange == NULL       ? "attributes"
                               : torch_exchange_stream      ? "exchange-api"
                                                            : "exchange-api, stream getter");
@@ -703,26 +788,35 @@ static PyObject* descriptor_tuple(const desc* d) {
 
 /* describe(obj, writable=False): the descriptor run() would pass, as (data, device_type,
  * device_id, ndim, code, bits, lanes, shape, strides or None, byte_offset), or None when the
- * fast path does not handle obj (self-test and tests). */
+ * fast path does not handle obj (self-test and tests; torch tensors are described with the
+ * settings of init_torch also before enable_torch). */
 static PyObject* py_describe(PyObject* module, PyObject* args) {
   PyObject* obj;
   int writable = 0;
   if (!PyArg_ParseTuple(args, "O|p", &obj, &writable)) return NULL;
   desc d;
-  if (!describe(obj, writable, &d)) Py_RETURN_NONE;
+  int r = describe(obj, writable, &d, 1);
+  if (r < 0) return NULL;
+  if (r == 0) Py_RETURN_NONE;
   return descriptor_tuple(&d);
 }
 
 /* split_kv(paged_kv_cache) / hnd_to_nhd(obj): the derived descriptors (tests). */
 static PyObject* py_split_kv(PyObject* module, PyObject* arg) {
   desc k, v;
-  if (!paged_kv_of(arg, &k, &v)) Py_RETURN_NONE;
+  PyObject* hold;
+  int r = paged_kv_of(arg, &k, &v, 1, &hold);
+  Py_XDECREF(hold);
+  if (r < 0) return NULL;
+  if (r == 0) Py_RETURN_NONE;
   return Py_BuildValue("(NN)", descriptor_tuple(&k), descriptor_tuple(&v));
 }
 
 static PyObject* py_hnd_to_nhd(PyObject* module, PyObject* arg) {
   desc d;
-  if (!describe(arg, 0, &d) || !hnd_to_nhd(&d)) Py_RETURN_NONE;
+  int r = describe(arg, 0, &d, 1);
+  if (r < 0) return NULL;
+  if (r == 0 || !hnd_to_nhd(&d)) Py_RETURN_NONE;
   return descriptor_tuple(&d);
 }
 
@@ -739,7 +833,9 @@ static PyMethodDef methods[] = {
     {"describe", py_describe, METH_VARARGS, "describe(obj, writable=False)"},
     {"split_kv", py_split_kv, METH_O, "split_kv(paged_kv_cache)"},
     {"hnd_to_nhd", py_hnd_to_nhd, METH_O, "hnd_to_nhd(obj)"},
-    {"stream", py_stream, METH_O, "stream(device_id)"},
+    {"enable_torch", py_enable_torch, METH_NOARGS,
+     "enable_torch(): run() reads torch tensors (after the self-test of init_torch's settings)"},
+    {"stream", py_stream, METH_VARARGS, "stream(device_id, exchange=None)"},
     {"time_c_call", py_time_c_call, METH_VARARGS, "time_c_call(runner, repeat, *arguments)"},
     {"set_exchange_stream", py_set_exchange_stream, METH_O, "set_exchange_stream(flag)"},
     {"torch_mode", py_torch_mode, METH_NOARGS, "how torch tensors are read"},

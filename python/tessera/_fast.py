@@ -36,7 +36,7 @@ import numpy as np
 from . import _capi, _dlpack
 
 #: The extension's VERSION this module was written for.
-_VERSION = 1
+_VERSION = 2
 _FILE_NAME = "_fastcall.abi3.so"
 
 _lock = threading.Lock()
@@ -213,11 +213,16 @@ def _torch_dtype_samples(torch: Any) -> List[Tuple[Any, bool]]:
     return samples
 
 
-def _init_torch(module: Any) -> None:
+def _init_torch(module: Any, exchange_api: bool = True) -> None:
     """Enables torch tensors once torch is imported (called by runner()). Tensors are read
     through DLPack's C exchange API when torch has it (one C call per tensor) and its
     descriptors match the ctypes path's for every dtype and sample, else through their
-    attributes (dtype, layout, is_cuda/is_cpu, get_device(), data_ptr(), shape, stride())."""
+    attributes (dtype, layout, is_cuda/is_cpu, get_device(), data_ptr(), shape, stride());
+    ``exchange_api=False`` uses the attributes (tests).
+
+    Thread safety: init_torch() only stores the settings to test (run() keeps declining torch
+    tensors, so other threads' calls take the ctypes path meanwhile); the self-test reads them
+    through describe(); run() uses them only after enable_torch(), once they passed."""
     global _torch_state, _torch_reason
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "Tensor"):
@@ -242,19 +247,27 @@ def _init_torch(module: Any) -> None:
         if raw is None:
             def raw(index: int) -> int:
                 return torch.cuda.current_stream(index).cuda_stream
-        exchange = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+        exchange = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None) if exchange_api \
+            else None
         samples = _torch_samples(torch)
-        for api in ([exchange, None] if exchange is not None else [None]):
-            module.init_torch(torch.Tensor, torch.nn.Parameter, torch.strided, raw, normalize,
-                              table, api, False)
-            problem = _self_test(module, samples + (_torch_dtype_samples(torch) if api else []))
-            if problem is None:
-                break
     except Exception as error:  # pragma: no cover - an unusual torch build
         problem = f"initialisation failed: {error!r}"
-    if problem is not None:
+    else:
+        for api in ([exchange, None] if exchange is not None else [None]):
+            # One try per mode: an exchange API this module cannot use (an unexpected version,
+            # a failing self-test) falls back to the attributes.
+            try:
+                module.init_torch(torch.Tensor, torch.nn.Parameter, torch.strided, raw,
+                                  normalize, table, api, False)
+                problem = _self_test(module, samples + (_torch_dtype_samples(torch) if api
+                                                        else []))
+            except Exception as error:
+                problem = f"initialisation failed: {error!r}"
+            if problem is None:
+                break
+    if problem is not None or not module.enable_torch():
         module.init_torch(None)
-        _torch_reason = problem
+        _torch_reason = problem or "not enabled"
         return
     _torch_state = True
     _torch_reason = "on (" + module.torch_mode() + ")"
@@ -265,20 +278,22 @@ _stream_checked = False
 
 def _check_stream(module: Any, device_id: int) -> None:
     """Once, for the first CUDA plan: takes torch's current stream from the exchange API when it
-    agrees with torch's own getter on the default stream and on a side stream."""
+    agrees with torch's own getter on the default stream and on a side stream. The exchange
+    API's stream is read through stream(device_id, True) while run() keeps the stream getter;
+    run() switches only once the check has passed."""
     global _stream_checked, _torch_reason
     _stream_checked = True
     torch = sys.modules["torch"]
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is None or not module.set_exchange_stream(True):
-        module.set_exchange_stream(False)
+    module.set_exchange_stream(False)
+    if raw is None or "exchange-api" not in module.torch_mode():
         return
     ok = False
     try:
-        ok = module.stream(device_id) == (raw(device_id) or 0)
+        ok = module.stream(device_id, True) == (raw(device_id) or 0)
         side = torch.cuda.Stream(device=device_id)
         with torch.cuda.stream(side):
-            ok = ok and module.stream(device_id) == side.cuda_stream == raw(device_id)
+            ok = ok and module.stream(device_id, True) == side.cuda_stream == raw(device_id)
     except Exception:  # pragma: no cover
         ok = False
     module.set_exchange_stream(ok)

@@ -4,9 +4,12 @@ fast path really taken. Skipped when the extension is not built."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -413,6 +416,301 @@ def test_info_and_disable():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                             check=True)
     assert "TESSERA_FASTCALL=0" in result.stdout
+
+
+# ---- reviewed defects: Python code run while describing, object lifetimes, shared state ------
+#
+# With the attributes (torch < 2.10, or when the exchange API's self-test fails) describing a
+# tensor runs Python code: a torch-function mode intercepts .dtype, data_ptr(), .shape, ... The
+# scenarios that could crash run in a subprocess (a segfault fails the test, not pytest).
+
+
+def needs_torch():
+    if torch is None:
+        pytest.skip("torch is not installed")
+
+
+def run_code(code: str, timeout: float = 300) -> str:
+    """Runs `code` in a fresh interpreter with this process's tessera (and _reference);
+    asserts that it exits with status 0 and printed "ok" (a crash or an exception fails)."""
+    paths = [str(Path(__file__).resolve().parent), str(Path(tessera.__file__).resolve().parents[1])]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0 and "ok" in result.stdout.split(), (
+        f"scenario exited with status {result.returncode}\n--- stdout\n{result.stdout}\n"
+        f"--- stderr\n{result.stderr[-4000:]}")
+    return result.stdout
+
+
+def run_scenario(body: str) -> str:
+    """run_code(body) after ATTRIBUTE_PRELUDE: torch read through the attributes, a decode
+    wrapper planned on torch CPU tensors, its runner, q, kv() and the expected output."""
+    return run_code(textwrap.dedent(ATTRIBUTE_PRELUDE) + textwrap.dedent(body))
+
+
+ATTRIBUTE_PRELUDE = """
+    import time
+    import numpy as np
+    import torch
+    from torch.overrides import TorchFunctionMode
+    import tessera
+    from tessera import _fast
+    from _reference import PagedCache
+
+    module = _fast.module()
+    _fast._init_torch(module, exchange_api=False)  # read tensors through their attributes
+    assert module.torch_mode() == "attributes", _fast.info()
+    rng = np.random.default_rng(7)
+    cache = PagedCache(rng, [1, 17, 40], 8, 2, 32, np.float32, "NHD")
+    wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(torch.empty(16 << 20, dtype=torch.uint8))
+    wrapper.plan(torch.from_numpy(cache.page_indptr), torch.from_numpy(cache.page_indices),
+                 torch.from_numpy(cache.last_page_len), 4, 2, 32, 8)
+    runner = wrapper._fast
+    assert runner is not None, _fast.info()
+    q = torch.from_numpy(rng.standard_normal((3, 4, 32)).astype(np.float32))
+
+    def kv():
+        return (torch.from_numpy(cache.k_cache), torch.from_numpy(cache.v_cache))
+
+    expected = wrapper.run(q, kv())
+"""
+
+
+def test_list_kv_emptied_while_described_keeps_k_and_v_alive():
+    """A torch-function mode empties the [k, v] list while k is described: v (only referenced
+    by the list) must stay alive until the C call has returned (it was read after being freed:
+    a crash, or a wrong result)."""
+    needs_torch()
+    run_scenario("""
+        kv_list = list(kv())  # the only references to these k and v tensors
+        k = kv_list[0]
+
+        class EmptyTheList(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if args and args[0] is k and kv_list:
+                    kv_list.clear()  # frees v
+                    junk = [bytearray(64) for _ in range(2000)]  # reuses its memory
+                return func(*args, **(kwargs or {}))
+
+        out = torch.zeros_like(q)
+        before = module.stats()
+        with EmptyTheList():
+            result = wrapper.run(q, kv_list, out=out)
+        assert not kv_list, "the mode did not run"
+        assert module.stats()[0] == before[0] + 1, "not served by the fast path"
+        assert result is out and torch.equal(out, expected)
+        print("ok")
+    """)
+
+
+def test_runner_cannot_be_created_from_python():
+    """Runner() / object.__new__(Runner) made a Runner without a C function: calling it jumped
+    to a NULL pointer."""
+    run_code(textwrap.dedent("""
+        import numpy as np
+        from tessera import _fast
+
+        Runner = _fast.module().Runner
+        q = np.zeros((3, 4, 32), np.float32)
+        k = np.zeros((4, 8, 2, 32), np.float32)
+        for make in (lambda: Runner(), lambda: Runner.__new__(Runner),
+                     lambda: object.__new__(Runner)):
+            try:
+                runner = make()
+            except TypeError:
+                continue
+            try:
+                runner(q, (k, k), np.empty_like(q), None)  # the NULL function pointer
+            except TypeError:
+                pass
+            raise SystemExit("a Runner was created from Python")
+        print("ok")
+    """))
+
+
+def test_torch_settings_are_not_used_before_their_self_test(monkeypatch, rng):
+    """While _init_torch self-tests a torch mode, run() (from any thread) must not use it yet:
+    torch tensors are handed back to the ctypes path until the test has passed."""
+    needs_torch()
+    wrapper, q, paged, _ = decode_setup("torch", rng)
+    expected = wrapper.run(q, paged)
+    module = _fast.module()
+    seen = []
+    real_self_test = _fast._self_test
+
+    def self_test(fast, samples):
+        before = stats()
+        result = wrapper.run(q, paged)  # what another thread's run() gets meanwhile
+        after = stats()
+        seen.append((after[0] - before[0], after[1] - before[1], torch.equal(result, expected)))
+        return real_self_test(fast, samples)
+
+    monkeypatch.setattr(_fast, "_self_test", self_test)
+    try:
+        _fast._init_torch(module)
+    finally:
+        monkeypatch.undo()
+        _fast._init_torch(module)
+    assert seen and all(entry == (0, 1, True) for entry in seen), seen
+    assert _fast._torch_state and module.torch_mode() not in ("off", "not enabled")
+    assert_same(*run_both(wrapper, lambda w: w.run(q, paged)))
+
+
+def test_stream_check_does_not_switch_before_it_passed(monkeypatch):
+    """_check_stream compares the exchange API's stream with torch's getter: run() keeps the
+    getter while it does (it switched first, so a concurrent run() could launch on an unchecked
+    stream)."""
+    needs_torch()
+    module = _fast.module()
+    if "exchange-api" not in module.torch_mode():
+        pytest.skip(f"torch is read through {module.torch_mode()}")
+
+    class Probe:
+        """The module, with stream() recording run()'s stream mode (no CUDA device needed)."""
+
+        def __init__(self):
+            self.modes = []
+
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def stream(self, *args):
+            self.modes.append(module.torch_mode())
+            raise RuntimeError("no CUDA device (test)")
+
+    probe = Probe()
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(_fast, "_stream_checked", False)
+    monkeypatch.setattr(_fast, "_torch_reason", _fast._torch_reason)
+    try:
+        _fast._check_stream(probe, 0)
+    finally:
+        module.set_exchange_stream(False)
+    assert probe.modes == ["exchange-api, stream getter"]
+    assert module.torch_mode() == "exchange-api, stream getter"
+
+
+def test_time_c_call_does_not_repeat_a_concurrent_call():
+    """time_c_call(runner, repeat, ...) kept `repeat` on the shared Runner: a run() of the same
+    runner meanwhile (here from a torch-function mode while time_c_call describes q) called the
+    C function `repeat` times too."""
+    needs_torch()
+    run_scenario("""
+        repeat = 100000
+        nested = []
+
+        class RunMeanwhile(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if not nested:
+                    nested.append(None)
+                    start = time.perf_counter()
+                    status = runner(q.clone(), kv(), torch.empty_like(q), None)
+                    nested[0] = (status, time.perf_counter() - start)
+                return func(*args, **(kwargs or {}))
+
+        out = torch.empty_like(q)
+        with RunMeanwhile():
+            status, ns = module.time_c_call(runner, repeat, q, kv(), out, None)
+        assert status == 0 and nested[0][0] == 0, (status, nested)
+        loop = ns * repeat / 1e9  # seconds of the timed calls
+        print(f"timed loop {loop:.4f} s, call meanwhile {nested[0][1]:.6f} s")
+        assert nested[0][1] < loop / 10, "the concurrent call was repeated"
+        assert torch.equal(out, expected)
+        print("ok")
+    """)
+
+
+def test_exchange_api_init_error_falls_back_to_attributes(monkeypatch):
+    """An exception from init_torch with the exchange capsule must leave the attributes to try
+    (it ended the loop and turned the torch fast path off)."""
+    needs_torch()
+    module = _fast.module()
+    if getattr(torch.Tensor, "__dlpack_c_exchange_api__", None) is None:
+        pytest.skip("this torch has no DLPack exchange API")
+
+    class Failing:
+        def __getattr__(self, name):
+            return getattr(module, name)
+
+        def init_torch(self, *args):
+            if len(args) > 6 and args[6] is not None:
+                raise ValueError("unsupported DLPack exchange API version (test)")
+            return module.init_torch(*args)
+
+    try:
+        _fast._init_torch(Failing())
+        state, mode = _fast._torch_state, module.torch_mode()
+    finally:
+        _fast._init_torch(module)
+    assert state is True and mode == "attributes", (state, mode, _fast._torch_reason)
+
+
+def test_exchange_capsule_is_owned(monkeypatch):
+    """The module keeps the exchange API's capsule alive while it uses its function table, and
+    releases it when initialised again."""
+    needs_torch()
+    original = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    if original is None:
+        pytest.skip("this torch has no DLPack exchange API")
+    module = _fast.module()
+    name = CAPSULE_NAME
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p,
+                                                   ctypes.c_void_p]
+    capsule = new(get(original, name), name, None)  # the same table, in a capsule of ours
+    monkeypatch.setattr(torch.Tensor, "__dlpack_c_exchange_api__", capsule, raising=False)
+    base = sys.getrefcount(capsule)
+    try:
+        _fast._init_torch(_fast.module())
+        assert module.torch_mode().startswith("exchange-api"), _fast.info()
+        held = sys.getrefcount(capsule) - base
+    finally:
+        monkeypatch.undo()
+        _fast._init_torch(module)
+    assert held == 1
+    assert sys.getrefcount(capsule) == base - 1  # released (monkeypatch's reference is gone)
+
+
+CAPSULE_NAME = b"dlpack_exchange_api"  # outlives the test's capsule (it keeps the pointer)
+
+
+def test_interrupts_raised_while_describing_propagate():
+    """KeyboardInterrupt / MemoryError raised by Python code run while describing a tensor
+    propagate (they were cleared and the call handed back); ordinary errors hand back."""
+    needs_torch()
+    run_scenario("""
+        class RaiseOnce(TorchFunctionMode):
+            def __init__(self, error):
+                super().__init__()
+                self.error = error
+
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if self.error is not None:
+                    error, self.error = self.error, None
+                    raise error
+                return func(*args, **(kwargs or {}))
+
+        out = torch.empty_like(q)  # run(out=): no torch call before the fast path's
+        for error in (KeyboardInterrupt, MemoryError):
+            for call in (lambda: module.describe(q), lambda: wrapper.run(q, kv(), out=out)):
+                try:
+                    with RaiseOnce(error("test")):
+                        call()
+                except error:
+                    continue
+                raise SystemExit(f"{error.__name__} was swallowed")
+        with RaiseOnce(RuntimeError("test")):
+            assert module.describe(q) is None  # handed back: the ctypes path raises its own
+        before = module.stats()
+        with RaiseOnce(RuntimeError("test")):
+            assert torch.equal(wrapper.run(q, kv(), out=out), expected)
+        assert module.stats()[1] == before[1] + 1
+        print("ok")
+    """)
 
 
 # ---- CUDA (skips without a GPU) --------------------------------------------------------------
