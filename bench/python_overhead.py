@@ -134,40 +134,18 @@ def torch_cpu_cases() -> List[Tuple[str, Callable[[], object]]]:
         import torch
     except ImportError:
         return []
-    workspace = torch.empty(16 << 20, dtype=torch.uint8)
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, HEADS_QO, DIM, generator=gen)
-    k_cache = torch.randn(1, KEYS, HEADS_KV, DIM, generator=gen)
-    v_cache = torch.randn(1, KEYS, HEADS_KV, DIM, generator=gen)
-    k, v = k_cache[0].contiguous(), v_cache[0].contiguous()
-    out = torch.empty_like(q)
-    paged = (k_cache, v_cache)
-    decode = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
-    decode.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
-                torch.tensor([KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, KEYS)
-    ragged = tessera.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    ragged.plan(torch.tensor([0, 1], dtype=torch.int32),
-                torch.tensor([0, KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, causal=True)
-    return [
-        ("decode  run()", lambda: decode.run(q, paged)),
-        ("decode  run(out=)", lambda: decode.run(q, paged, out=out)),
-        ("ragged  run()", lambda: ragged.run(q, k, v)),
-        ("ragged  run(out=)", lambda: ragged.run(q, k, v, out=out)),
-    ]
+    return _torch_problem(torch, 16 << 20, lambda *shape: torch.randn(*shape, generator=gen))[0]
 
 
-def torch_cases():
-    try:
-        import torch
-    except ImportError:
-        return None, None, None
-    if not torch.cuda.is_available() or tessera.cuda_device_count() < 1:
-        return None, None, None
-    device = "cuda"
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-    q = torch.randn(1, HEADS_QO, DIM, dtype=torch.float16, device=device)
-    k_cache = torch.randn(1, KEYS, HEADS_KV, DIM, dtype=torch.float16, device=device)
-    v_cache = torch.randn(1, KEYS, HEADS_KV, DIM, dtype=torch.float16, device=device)
+def _torch_problem(torch, workspace_bytes: int, randn, suffix: str = ""):
+    """The tiny decode / ragged problem on torch tensors made by `randn(*shape)` (their device
+    and dtype), planned; returns the four run() cases and (decode, q, k_cache, v_cache, paged,
+    out, workspace) for the floor and breakdown timings."""
+    q = randn(1, HEADS_QO, DIM)
+    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
+    k_cache = randn(1, KEYS, HEADS_KV, DIM)
+    v_cache = randn(1, KEYS, HEADS_KV, DIM)
     k, v = k_cache[0].contiguous(), v_cache[0].contiguous()
     out = torch.empty_like(q)
     paged = (k_cache, v_cache)
@@ -178,11 +156,24 @@ def torch_cases():
     ragged.plan(torch.tensor([0, 1], dtype=torch.int32),
                 torch.tensor([0, KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, causal=True)
     cases = [
-        ("decode  run()  torch cuda", lambda: decode.run(q, paged)),
-        ("decode  run(out=)  torch cuda", lambda: decode.run(q, paged, out=out)),
-        ("ragged  run()  torch cuda", lambda: ragged.run(q, k, v)),
-        ("ragged  run(out=)  torch cuda", lambda: ragged.run(q, k, v, out=out)),
+        ("decode  run()" + suffix, lambda: decode.run(q, paged)),
+        ("decode  run(out=)" + suffix, lambda: decode.run(q, paged, out=out)),
+        ("ragged  run()" + suffix, lambda: ragged.run(q, k, v)),
+        ("ragged  run(out=)" + suffix, lambda: ragged.run(q, k, v, out=out)),
     ]
+    return cases, (decode, q, k_cache, v_cache, paged, out, workspace)
+
+
+def torch_cases():
+    try:
+        import torch
+    except ImportError:
+        return None, None, None
+    if not torch.cuda.is_available() or tessera.cuda_device_count() < 1:
+        return None, None, None
+    cases, (decode, q, k_cache, v_cache, paged, out, workspace) = _torch_problem(
+        torch, 128 << 20,
+        lambda *shape: torch.randn(*shape, dtype=torch.float16, device="cuda"), "  torch cuda")
     floor = _ctypes_floor_torch(decode, q, k_cache, v_cache, out, workspace)
     if floor is not None:
         cases.append(("decode  ctypes floor  torch cuda", floor))

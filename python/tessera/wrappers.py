@@ -360,6 +360,27 @@ class _Wrapper:
     def _stream(self, q: ArrayLike, q_dl: DLTensor) -> Optional[ctypes.c_void_p]:
         return stream_arg(stream_of(q, q_dl))
 
+    def _run_fast(self, inputs: tuple, out: Optional[ArrayLike], lse: Optional[ArrayLike],
+                  return_lse: bool) -> Any:
+        """run() through the C fast path: its result, or _NOT_SERVED when the fast path hands
+        the call back (an argument it does not describe exactly; the ctypes path decides).
+        `inputs` are the run's inputs in the C order, q first."""
+        q = inputs[0]
+        if out is not None and lse is None and not return_lse:
+            o, o_lse = out, None
+        else:
+            o, o_lse = _fast_outputs(q, out, lse, return_lse)
+        if o is None:
+            return _NOT_SERVED
+        if self._watch_capture:
+            self._note_capture()
+        status = self._fast(*inputs, o, o_lse)
+        if not status:
+            return (o, o_lse) if return_lse else o
+        if status > 0:
+            check(status, _RUN_NAMES)
+        return _NOT_SERVED  # -1
+
     def _nhd(self, tensor: DLTensor, name: str) -> DLTensor:
         """The NHD view of an HND k/v descriptor (cached per descriptor)."""
         if not getattr(tensor, "_cached", False):  # holds its array: do not keep it
@@ -481,21 +502,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             self._require_plan()
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
-        fast = self._fast
-        if fast is not None:
-            if out is not None and lse is None and not return_lse:
-                o, o_lse = out, None
-            else:
-                o, o_lse = _fast_outputs(q, out, lse, return_lse)
-            if o is not None:
-                if self._watch_capture:
-                    self._note_capture()
-                status = fast(q, k, v, o, o_lse)
-                if not status:
-                    return (o, o_lse) if return_lse else o
-                if status > 0:
-                    check(status, _RUN_NAMES)
-                # -1: an argument the fast path does not describe; the ctypes path decides.
+        if self._fast is not None:
+            result = self._run_fast((q, k, v), out, lse, return_lse)
+            if result is not _NOT_SERVED:
+                return result
         q_dl = cached_dl(q, "q")
         k_dl = cached_dl(k, "k")
         v_dl = cached_dl(v, "v")
@@ -512,6 +522,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         if status:
             check(status, _RUN_NAMES)
         return (out, lse) if return_lse else out
+
+
+_NOT_SERVED = object()  # _Wrapper._run_fast: the ctypes path must run the call
 
 
 def _fast_outputs(q: ArrayLike, out: Optional[ArrayLike], lse: Optional[ArrayLike],
@@ -693,21 +706,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             self._require_plan()
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
-        fast = self._fast
-        if fast is not None:
-            if out is not None and lse is None and not return_lse:
-                o, o_lse = out, None
-            else:
-                o, o_lse = _fast_outputs(q, out, lse, return_lse)
-            if o is not None:
-                if self._watch_capture:
-                    self._note_capture()
-                status = fast(q, paged_kv_cache, o, o_lse)
-                if not status:
-                    return (o, o_lse) if return_lse else o
-                if status > 0:
-                    check(status, _RUN_NAMES)
-                # -1: an argument the fast path does not describe; the ctypes path decides.
+        if self._fast is not None:
+            result = self._run_fast((q, paged_kv_cache), out, lse, return_lse)
+            if result is not _NOT_SERVED:
+                return result
         q_dl = cached_dl(q, "q")
         kv = self._paged_kv(paged_kv_cache)
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
@@ -831,21 +833,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
                              f"{self._options.window_left}; pass it to plan()")
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
-        fast = self._fast
-        if fast is not None:
-            if out is not None and lse is None and not return_lse:
-                o, o_lse = out, None
-            else:
-                o, o_lse = _fast_outputs(q, out, lse, return_lse)
-            if o is not None:
-                if self._watch_capture:
-                    self._note_capture()
-                status = fast(q, paged_kv_cache, o, o_lse)
-                if not status:
-                    return (o, o_lse) if return_lse else o
-                if status > 0:
-                    check(status, _RUN_NAMES)
-                # -1: an argument the fast path does not describe; the ctypes path decides.
+        if self._fast is not None:
+            result = self._run_fast((q, paged_kv_cache), out, lse, return_lse)
+            if result is not _NOT_SERVED:
+                return result
         q_dl = cached_dl(q, "q")
         kv = self._paged_kv(paged_kv_cache)
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
