@@ -473,6 +473,55 @@ TEST(SanitizerCudaDecode, ManyItemsPerWorker) {
   }
 }
 
+// A batch of at least 2 (request, kv head) tiles per SM: the built-in default plans the
+// small-CTA variant (core/tuning.hpp's batch rule) and run() launches it; plans of a fixed
+// capacity and deterministic plans keep the light-batch variant. Results match either way.
+TEST(CudaDecode, HeavyBatchesTakeTheSmallCtaVariant) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  const char* forced = std::getenv("TESSERA_DECODE_VARIANT");
+  if (forced != nullptr && *forced != '\0') {
+    GTEST_SKIP() << "TESSERA_DECODE_VARIANT is set: the batch rule does not apply";
+  }
+  std::mt19937_64 rng(base_seed() + 12);
+  const int32_t num_kv_heads = 4;
+  const int32_t num_sms = detail::cuda_device_info(0).num_sms;
+  const int32_t heavy = (detail::kHeavyBatchTilesPerSm * num_sms + num_kv_heads - 1) / num_kv_heads;
+  for (const int32_t head_dim : {64, 128, 256}) {
+    for (const int32_t batch : {heavy - 1, heavy}) {
+      std::vector<int32_t> lens(batch);
+      for (int32_t& len : lens) len = uniform(rng, 1, 200);
+      AttentionCase c =
+          decode_case(lens, 1, num_kv_heads * 4, num_kv_heads, head_dim, DType::kBFloat16,
+                      DType::kBFloat16);
+      c.page_size = 16;
+      SCOPED_TRACE("head_dim " + std::to_string(head_dim) + ", batch " + std::to_string(batch));
+      AttentionBuffers buffers = test::make_buffers(c, rng);
+      const Plan plan =
+          plan_decode(buffers.page_indptr, buffers.last_page_len, c.page_size, c.num_qo_heads,
+                      c.num_kv_heads, c.head_dim, options_of(c), kGpu, 1);
+      EXPECT_EQ(plan.config.heavy_batch, batch >= heavy);
+      EXPECT_EQ(plan.kernel.find("heavy batch") != std::string::npos, batch >= heavy)
+          << plan.kernel;
+      const PlanCapacity capacity = plan_capacity(AttentionOp::kDecode, batch, batch, 200,
+                                                  c.num_qo_heads, c.num_kv_heads, head_dim, kGpu);
+      const Plan fixed =
+          plan_decode(buffers.page_indptr, buffers.last_page_len, c.page_size, c.num_qo_heads,
+                      c.num_kv_heads, c.head_dim, options_of(c), kGpu, 1, capacity);
+      EXPECT_FALSE(fixed.config.heavy_batch);
+      PlanCapacity deterministic;
+      deterministic.deterministic = true;
+      EXPECT_FALSE(plan_decode(buffers.page_indptr, buffers.last_page_len, c.page_size,
+                               c.num_qo_heads, c.num_kv_heads, c.head_dim, options_of(c), kGpu,
+                               1, deterministic)
+                       .config.heavy_batch);
+      const Outputs expected = run_reference(buffers);
+      DeviceDecodeCase device(buffers);
+      expect_close(buffers, run_public(buffers, device, plan), expected, "public plan");
+      expect_close(buffers, run_public(buffers, device, fixed), expected, "fixed capacity");
+    }
+  }
+}
+
 #else  // !TESSERA_HAVE_CUDA
 
 TEST(CudaDecode, BuiltWithoutCuda) {

@@ -278,5 +278,41 @@ TEST(Tuning, HeadDimBucketsAndValidKnobs) {
   EXPECT_FALSE(is_valid_decode_min_kv_chunk(4160));
 }
 
+TEST(Tuning, HeavyBatchRuleReplacesOnlyTheBuiltInDefaultVariant) {
+  // 132 SMs x 2 tiles per SM = 264 (request, kv head) tiles: 33 requests of 8 kv heads.
+  EXPECT_FALSE(is_heavy_decode_batch(32, 8, 132));
+  EXPECT_TRUE(is_heavy_decode_batch(33, 8, 132));
+  EXPECT_TRUE(is_heavy_decode_batch(256, 8, 132));
+  EXPECT_FALSE(is_heavy_decode_batch(0, 8, 132));  // unknown batch (fixed capacity)
+  EXPECT_FALSE(is_heavy_decode_batch(1000, 0, 132));
+  EXPECT_FALSE(is_heavy_decode_batch(1000, 8, 0));
+
+  const ResolvedDecodeTuning by_default =
+      resolve_decode_tuning(std::nullopt, std::nullopt, std::nullopt, nullptr, kDefaults);
+  ResolvedDecodeTuning r = apply_batch_rule(by_default, true);
+  EXPECT_EQ(r.value.variant, kHeavyBatchDecodeVariant);
+  EXPECT_EQ(r.value.min_kv_chunk, kDefaults.min_kv_chunk);
+  EXPECT_TRUE(r.heavy_batch);
+  r = apply_batch_rule(by_default, false);
+  EXPECT_EQ(r.value, kDefaults);
+  EXPECT_FALSE(r.heavy_batch);
+
+  // A variant from the file, the environment or an override is kept for any batch.
+  const DecodeTuning file{3, 256};
+  for (const ResolvedDecodeTuning& chosen :
+       {resolve_decode_tuning(std::nullopt, std::nullopt, std::nullopt, &file, kDefaults),
+        resolve_decode_tuning(std::nullopt, 2, std::nullopt, nullptr, kDefaults),
+        resolve_decode_tuning(DecodeTuning{5, 512}, std::nullopt, std::nullopt, nullptr,
+                              kDefaults)}) {
+    r = apply_batch_rule(chosen, true);
+    EXPECT_EQ(r.value, chosen.value);
+    EXPECT_FALSE(r.heavy_batch);
+  }
+  // The default variant with a chunk from the environment still follows the rule.
+  r = apply_batch_rule(resolve_decode_tuning(std::nullopt, std::nullopt, 640, nullptr, kDefaults),
+                       true);
+  EXPECT_EQ(r.value, (DecodeTuning{kHeavyBatchDecodeVariant, 640}));
+}
+
 }  // namespace
 }  // namespace tessera::detail

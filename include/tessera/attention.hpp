@@ -95,6 +95,10 @@ struct PlanConfig {
   // there (0: min_kv_chunk). Deterministic plans cut every long range into such pieces, so
   // their count, and a graph capacity's workspace, scale with kv_len / this.
   int32_t deterministic_kv_chunk = 0;
+  // CUDA decode: the batch has enough (request, kv head) tiles for the small-CTA kernel variant
+  // of the built-in default (decided at plan time, so run() launches the variant the worker
+  // count was sized for; never for plans with a fixed capacity).
+  bool heavy_batch = false;
 };
 
 // Planning knobs that are not attention maths (so not AttentionOptions): the fixed capacity a

@@ -91,9 +91,14 @@ Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_
   shape.page_size = page_size;
   shape.options = options;
   shape.capacity = capacity;
+  // Knobs that follow the batch (CUDA decode's batch rule) only where every plan may differ:
+  // plans of one fixed capacity must agree on their worker count, deterministic ones on their
+  // kernel.
+  const int64_t batch =
+      capacity.fixed() || capacity.deterministic ? 0 : static_cast<int64_t>(shape.q_lens.size());
   Plan plan = detail::make_plan(
-      shape, detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim));
-  plan.kernel = detail::plan_kernel_note(op, device, num_qo_heads, num_kv_heads, head_dim);
+      shape, detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim, batch));
+  plan.kernel = detail::plan_kernel_note(op, device, num_qo_heads, num_kv_heads, head_dim, batch);
   return plan;
 }
 

@@ -34,7 +34,7 @@ void check_device_usable(const ArgChecker& check, Device device) {
 }
 
 PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
-                           int head_dim) {
+                           int head_dim, int64_t batch) {
   if (device.type == DeviceType::kCPU) {
     PlanConfig config;
     config.q_tile_rows = std::max(kCpuTileRows, num_qo_heads / num_kv_heads);
@@ -45,21 +45,21 @@ PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int 
   }
 #if defined(TESSERA_HAVE_CUDA)
   return cuda_plan_config(op, num_qo_heads, num_kv_heads, head_dim, DType::kBFloat16,
-                          device.index);
+                          device.index, batch);
 #else
   ArgChecker("plan").unsupported("device", "this build of tessera has no CUDA backend");
 #endif
 }
 
 std::string plan_kernel_note(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
-                             int head_dim) {
+                             int head_dim, int64_t batch) {
   if (device.type == DeviceType::kCPU) {
     return cpu_impl() == CpuImpl::kReference
                ? "CPU reference (double accumulation, TESSERA_CPU_IMPL=reference)"
                : "CPU fast path (tiled online softmax, GQA packing, per-ISA vector kernels)";
   }
 #if defined(TESSERA_HAVE_CUDA)
-  return cuda_plan_kernel_note(op, num_qo_heads, num_kv_heads, head_dim, device.index);
+  return cuda_plan_kernel_note(op, num_qo_heads, num_kv_heads, head_dim, device.index, batch);
 #else
   return "no CUDA backend in this build";
 #endif

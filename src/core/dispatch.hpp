@@ -10,13 +10,16 @@ namespace tessera::detail {
 // Throws a clear error when `device` cannot run anything in this build / on this host.
 void check_device_usable(const ArgChecker& check, Device device);
 
-// The planner knobs of the backend that will serve (op, device, heads, head_dim).
+// The planner knobs of the backend that will serve (op, device, heads, head_dim). batch: the
+// plan's request count where a knob may depend on it (CUDA decode's batch rule,
+// core/tuning.hpp); 0 for plans whose knobs must not (fixed capacity, deterministic).
 PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
-                           int head_dim);
+                           int head_dim, int64_t batch = 0);
 
-// One line naming the kernel family that will serve (op, device, heads, head_dim) and why.
+// One line naming the kernel family that will serve (op, device, heads, head_dim, batch as
+// above) and why.
 std::string plan_kernel_note(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
-                             int head_dim);
+                             int head_dim, int64_t batch = 0);
 
 // Runs a validated problem with its plan on the plan's device.
 void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,

@@ -28,13 +28,14 @@ int cuda_current_device();
 
 // Fills the planner knobs for this device and problem (tile rows of the kernel that will serve
 // it, persistent worker count, split-KV policy).
+// batch: the plan's request count (decode's batch rule, see cuda_decode_plan_config); 0: none.
 PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int head_dim,
-                            DType kv_dtype_hint, int device);
+                            DType kv_dtype_hint, int device, int64_t batch = 0);
 
 // One line for `tessera plan --explain`: which kernel family will serve (op, heads, head_dim)
 // on `device`, and why.
 std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_heads,
-                                  int head_dim, int device);
+                                  int head_dim, int device, int64_t batch = 0);
 
 // How the sm80 decode kernels serve decode of (heads, head_dim) with `kv_dtype` K/V (= q) on
 // `info`, one query token per request (src/cuda/sm80/decode.cu; `tessera plan --explain`).
@@ -44,7 +45,8 @@ struct CudaDecodeSelection {
   std::string cuda_core_reason;      // why the CUDA-core kernel, when mma_kernel is nullptr
 };
 CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, int head_dim,
-                                          DType kv_dtype, const CudaDeviceInfo& info);
+                                          DType kv_dtype, const CudaDeviceInfo& info,
+                                          int64_t batch = 0);
 
 // The name of the prefill kernel this thread launched last (tests check which family ran).
 const char* cuda_last_prefill_kernel();

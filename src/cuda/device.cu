@@ -65,12 +65,12 @@ const CudaDeviceInfo& cuda_device_info(int device) {
 }
 
 PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int head_dim,
-                            DType kv_dtype_hint, int device) {
+                            DType kv_dtype_hint, int device, int64_t batch) {
   const CudaDeviceInfo& info = cuda_device_info(device);
   const DType hint = kv_dtype_hint == DType::kFloat16 ? DType::kFloat16 : DType::kBFloat16;
   if (op == AttentionOp::kDecode &&
       !sm90::serves_decode(info.sm_major, head_dim, num_qo_heads, num_kv_heads, hint, hint)) {
-    return cuda_decode_plan_config(num_qo_heads, num_kv_heads, head_dim, info);
+    return cuda_decode_plan_config(num_qo_heads, num_kv_heads, head_dim, info, batch);
   }
   const int bucket = sm80::prefill_head_dim_bucket(head_dim);
   if (bucket == 0) {
@@ -142,10 +142,10 @@ std::string decode_knob_source(TuningSource source, const char* env_name,
 }
 
 std::string decode_kernel_note(int num_qo_heads, int num_kv_heads, int head_dim,
-                               const CudaDeviceInfo& info) {
+                               const CudaDeviceInfo& info, int64_t batch) {
   const int group = std::max(1, num_qo_heads / std::max(num_kv_heads, 1));
   const CudaDecodeSelection selection =
-      cuda_decode_selection(num_qo_heads, num_kv_heads, head_dim, DType::kBFloat16, info);
+      cuda_decode_selection(num_qo_heads, num_kv_heads, head_dim, DType::kBFloat16, info, batch);
   const ResolvedDecodeTuning& tuning = selection.tuning;
   std::string note = "sm80 decode kernels on " + info.name + ", bf16 K/V: ";
   if (selection.mma_kernel != nullptr) {
@@ -157,6 +157,12 @@ std::string decode_kernel_note(int num_qo_heads, int num_kv_heads, int head_dim,
   }
   note += ", variant from " + decode_knob_source(tuning.variant_source, "TESSERA_DECODE_VARIANT",
                                                  info, head_dim, group);
+  if (tuning.heavy_batch) {
+    note += ", for a heavy batch (" + std::to_string(batch) + " requests x " +
+            std::to_string(num_kv_heads) + " kv heads >= " +
+            std::to_string(kHeavyBatchTilesPerSm) + " tiles per SM: variant " +
+            std::to_string(kHeavyBatchDecodeVariant) + ")";
+  }
   note += "; min split-KV chunk " + std::to_string(tuning.value.min_kv_chunk) + " keys, from " +
           decode_knob_source(tuning.min_kv_chunk_source, "TESSERA_DECODE_MIN_CHUNK", info,
                              head_dim, group);
@@ -169,7 +175,7 @@ std::string decode_kernel_note(int num_qo_heads, int num_kv_heads, int head_dim,
 }  // namespace
 
 std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_heads,
-                                  int head_dim, int device) {
+                                  int head_dim, int device, int64_t batch) {
   const CudaDeviceInfo& info = cuda_device_info(device);
   if (op == AttentionOp::kDecode) {
     if (sm90::serves_decode(info.sm_major, head_dim, num_qo_heads, num_kv_heads,
@@ -178,7 +184,7 @@ std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_h
              "TMA, one CTA per SM); fp8 K/V caches and unaligned views run the sm80 decode "
              "kernels";
     }
-    return decode_kernel_note(num_qo_heads, num_kv_heads, head_dim, info);
+    return decode_kernel_note(num_qo_heads, num_kv_heads, head_dim, info, batch);
   }
   const std::string reason = sm90::prefill_unsupported_reason(
       info.sm_major, head_dim, num_qo_heads, num_kv_heads, DType::kBFloat16, DType::kBFloat16);

@@ -78,41 +78,35 @@ std::optional<int32_t> decode_min_kv_chunk_from_env() {
 }
 
 // The knobs in force for decode of (device, head_dim, GQA group, K/V dtype): the in-process
-// override, else the environment, else the tuning file's entry, else the defaults above. A map
-// lookup after the file's one load (no file I/O, no allocation on the plan / run path).
+// override, else the environment, else the tuning file's entry, else the defaults above, the
+// default variant following the batch rule (core/tuning.hpp) for a heavy batch. A map lookup
+// after the file's one load (no file I/O, no allocation on the plan / run path).
 ResolvedDecodeTuning decode_tuning(const CudaDeviceInfo& info, int head_dim, int group,
-                                   DType kv_dtype) {
+                                   DType kv_dtype, bool heavy_batch) {
   const DecodeTuningQuery query{info.name, tuning_head_dim_bucket(head_dim), group, kv_dtype};
-  return resolve_decode_tuning(query, decode_variant_from_env(), decode_min_kv_chunk_from_env(),
-                               DecodeTuning{kDefaultDecodeVariant, kDecodeMinKvChunk});
+  return apply_batch_rule(
+      resolve_decode_tuning(query, decode_variant_from_env(), decode_min_kv_chunk_from_env(),
+                            DecodeTuning{kDefaultDecodeVariant, kDecodeMinKvChunk}),
+      heavy_batch);
 }
 
-int decode_variant(const CudaDeviceInfo& info, int head_dim, int group, DType kv_dtype) {
-  return decode_tuning(info, head_dim, group, kv_dtype).value.variant;
-}
-
-int32_t decode_min_kv_chunk(const CudaDeviceInfo& info, int head_dim, int group,
-                            DType kv_dtype) {
-  return decode_tuning(info, head_dim, group, kv_dtype).value.min_kv_chunk;
+// A switch that is on unless the environment variable `name` is "0".
+bool on_unless_zero(const char* name) {
+  const char* text = std::getenv(name);
+  return text == nullptr || std::string(text) != "0";
 }
 
 // Split-KV pieces merged inside the decode kernel (default), or by the separate merge kernel
-// (TESSERA_DECODE_FUSED_MERGE=0, kept to time the two side by side).
+// (TESSERA_DECODE_FUSED_MERGE=0, kept to time the two side by side). Read once.
 bool fused_decode_merge() {
-  static const bool fused = [] {
-    const char* text = std::getenv("TESSERA_DECODE_FUSED_MERGE");
-    return text == nullptr || std::string(text) != "0";
-  }();
+  static const bool fused = on_unless_zero("TESSERA_DECODE_FUSED_MERGE");
   return fused;
 }
 
 // Cross-item prefetch in the tensor-core kernel (default on; TESSERA_DECODE_PREFETCH=0 turns it
-// off, kept to time the two side by side).
+// off, kept to time the two side by side). Read once.
 bool decode_prefetch_next() {
-  static const bool enabled = [] {
-    const char* text = std::getenv("TESSERA_DECODE_PREFETCH");
-    return text == nullptr || std::string(text) != "0";
-  }();
+  static const bool enabled = on_unless_zero("TESSERA_DECODE_PREFETCH");
   return enabled;
 }
 
@@ -138,9 +132,9 @@ const sm80::DecodeKernel* find_decode_kernel(int head_dim, DType q_dtype, DType 
 // (variant 0, fp8 K/V, more rows than it holds, no instantiation).
 const sm80::DecodeKernel* find_decode_mma_kernel(const CudaDeviceInfo& info, int head_dim,
                                                  DType q_dtype, DType kv_dtype, int group,
-                                                 int rows) {
+                                                 int rows, bool heavy_batch) {
   if (rows > 16 || q_dtype != kv_dtype) return nullptr;
-  const int variant = decode_variant(info, head_dim, group, kv_dtype);
+  const int variant = decode_tuning(info, head_dim, group, kv_dtype, heavy_batch).value.variant;
   if (variant == 0) return nullptr;
   const bool full_rows = rows > 8;
   switch (decode_head_dim_bucket(head_dim)) {
@@ -199,12 +193,13 @@ int32_t kv_copy_granularity(const KVSource& kv) {
 }  // namespace
 
 PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_dim,
-                                   const CudaDeviceInfo& info) {
+                                   const CudaDeviceInfo& info, int64_t batch) {
   PlanConfig config;
   const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
   config.q_tile_rows = std::max(kDecodeTileRows, group);
-  const sm80::DecodeKernel* kernel =
-      find_decode_mma_kernel(info, head_dim, DType::kBFloat16, DType::kBFloat16, group, group);
+  config.heavy_batch = is_heavy_decode_batch(batch, num_kv_heads, info.num_sms);
+  const sm80::DecodeKernel* kernel = find_decode_mma_kernel(
+      info, head_dim, DType::kBFloat16, DType::kBFloat16, group, group, config.heavy_batch);
   int ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
   if (ctas_per_sm <= 0) {
     kernel =
@@ -214,19 +209,22 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
   config.num_workers = std::max(1, info.num_sms) * std::max(1, ctas_per_sm);
   config.split_kv = true;
   // plan() does not know the K/V dtype: the bf16 entry, as for the kernel above.
-  config.min_kv_chunk = decode_min_kv_chunk(info, head_dim, group, DType::kBFloat16);
+  config.min_kv_chunk =
+      decode_tuning(info, head_dim, group, DType::kBFloat16, false).value.min_kv_chunk;
   config.deterministic = false;
   config.deterministic_kv_chunk = kDecodeDeterministicKvChunk;
   return config;
 }
 
 CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, int head_dim,
-                                          DType kv_dtype, const CudaDeviceInfo& info) {
+                                          DType kv_dtype, const CudaDeviceInfo& info,
+                                          int64_t batch) {
   CudaDecodeSelection selection;
   const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
-  selection.tuning = decode_tuning(info, head_dim, group, kv_dtype);
+  const bool heavy_batch = is_heavy_decode_batch(batch, num_kv_heads, info.num_sms);
+  selection.tuning = decode_tuning(info, head_dim, group, kv_dtype, heavy_batch);
   const sm80::DecodeKernel* kernel =
-      find_decode_mma_kernel(info, head_dim, kv_dtype, kv_dtype, group, group);
+      find_decode_mma_kernel(info, head_dim, kv_dtype, kv_dtype, group, group, heavy_batch);
   if (kernel != nullptr && kernel->smem_bytes <= info.max_smem_per_block_optin) {
     selection.mma_kernel = kernel->name;
   } else if (kernel != nullptr) {
@@ -265,7 +263,7 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
   const sm80::DecodeKernel* kernel = nullptr;
   if (copy_granularity == 16) {
     kernel = find_decode_mma_kernel(info, problem.head_dim, problem.q_dtype, problem.kv.dtype,
-                                    group, item_rows);
+                                    group, item_rows, plan.config.heavy_batch);
     if (kernel != nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) kernel = nullptr;
   }
   // Only the tensor-core kernels merge split pieces themselves (finish_split_piece).

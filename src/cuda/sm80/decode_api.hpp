@@ -9,8 +9,10 @@
 namespace tessera::detail {
 
 // Planner knobs for decode on this device (tile rows, persistent workers, split-KV policy).
+// batch: the plan's request count, for the built-in default's batch rule (core/tuning.hpp);
+// 0 where the rule must not apply (fixed-capacity or deterministic plans, plan_capacity).
 PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_dim,
-                                   const CudaDeviceInfo& device);
+                                   const CudaDeviceInfo& device, int64_t batch = 0);
 
 // Runs a decode plan: the plan's lists are already uploaded into `workspace`
 // (WorkspaceLayout); launches the decode kernel and the merge of its split-KV partials.
