@@ -20,8 +20,9 @@
 //   head_dim   kernel bucket 64, 128 or 256 (a head_dim of 96 uses the 128 entry)
 //   group      GQA group size num_qo_heads / num_kv_heads, 1..256
 //   kv         K/V cache dtype: bf16, fp16, fp8_e4m3 or fp8_e5m2
-//   variant    decode kernel family 0..3, as TESSERA_DECODE_VARIANT (0: CUDA cores; 1: tensor
-//              cores 4 warps x 3 stages; 2: 4 warps x 4 stages; 3: 2 warps x 6 stages)
+//   variant    decode kernel family 0..5, as TESSERA_DECODE_VARIANT (0: CUDA cores; 1: tensor
+//              cores 4 warps x 3 stages; 2: 4 warps x 4 stages; 3: 2 warps x 6 stages; 4: 2 warps
+//              x 3 stages; 5: 2 warps x 4 stages)
 //   min_chunk  smallest split-KV piece in keys, a multiple of 64 in [64, 4096], as
 //              TESSERA_DECODE_MIN_CHUNK
 // A later entry for the same (device, head_dim, group, kv) replaces an earlier one. A file with
