@@ -388,15 +388,25 @@ void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Works
   const auto cuda_stream = static_cast<cudaStream_t>(stream);
   auto* base = static_cast<unsigned char*>(workspace.data);
   UploadRegistry& registry = UploadRegistry::instance();
-  const bool uploaded = plan.upload_generation != 0 &&
-                        plan.uploaded_workspace == workspace.data &&
-                        registry.holds(workspace.data, plan.upload_generation);
-  if (!uploaded) {
-    // Fallback (plan not uploaded by upload_plan), the behaviour from before upload_plan: the
-    // lists go from the plan's pageable host vectors into the workspace, in stream order before
-    // the kernels that read them (a capture records these copies from the plan's memory, which
-    // must then outlive the graph; the Python wrapper relies on that). No header: the merge
-    // count is passed by value.
+  bool uploaded = plan.upload_generation != 0 && plan.uploaded_workspace == workspace.data &&
+                  registry.holds(workspace.data, plan.upload_generation);
+  if (!uploaded && !stream_is_capturing(cuda_stream)) {
+    // A plan not uploaded (or overwritten since, e.g. by another plan sharing the workspace):
+    // the lists go in as upload_plan sends them, one copy from pinned staging (the pageable
+    // copies below cost about 1 us of host time each). The plan is const here, so its next
+    // run() uploads again unless upload_plan is called.
+    const uint64_t generation = registry.next_generation();
+    StagingPool::instance().upload(
+        plan.device.index, base + layout.header, layout.upload_bytes(plan), cuda_stream,
+        [&](void* image) { layout.write_upload_image(plan, generation, image); });
+    registry.set(workspace.data, generation);
+    uploaded = true;
+  } else if (!uploaded) {
+    // Inside a CUDA-graph capture, the behaviour from before upload_plan: the lists go from the
+    // plan's pageable host vectors into the workspace, in stream order before the kernels that
+    // read them (the capture records these copies from the plan's memory, which must then
+    // outlive the graph; the Python wrapper relies on that). No header: the merge count is
+    // passed by value.
     registry.set(workspace.data, 0);
     upload_list(plan.worker_indptr, base, layout.worker_indptr, cuda_stream);
     upload_list(plan.merges, base, layout.merges, cuda_stream);
