@@ -345,6 +345,24 @@ BenchCase prefill_case(int head_dim, int seq, bool causal, int tokens, int hidde
   return c;
 }
 
+BenchCase gqa_case(AttentionOp op, int batch, int q_len, int kv_len, bool causal, int page);
+
+// The decode cases of the standard CUDA suite (GQA 32/8, d128, page 16; `--suite roofline` reads
+// the same shapes): batch x kv_len from one request to 256, and a skewed batch of one long
+// request beside many short ones.
+std::vector<BenchCase> decode_suite_cases() {
+  std::vector<BenchCase> cases;
+  for (auto [batch, len] : {std::pair{1, 1024}, {1, 32768}, {16, 4096}, {16, 32768}, {64, 4096},
+                            {64, 32768}, {256, 16384}}) {
+    cases.push_back(gqa_case(AttentionOp::kDecode, batch, 1, len, false, 16));
+  }
+  BenchCase skewed = gqa_case(AttentionOp::kDecode, 256, 1, 512, false, 16);
+  skewed.first_kv_len = 32768;
+  skewed.name = "decode gqa32/8 d128 p16 skewed 1x32k+255x512";
+  cases.push_back(skewed);
+  return cases;
+}
+
 BenchCase gqa_case(AttentionOp op, int batch, int q_len, int kv_len, bool causal, int page) {
   BenchCase c;
   c.op = op;
@@ -551,19 +569,11 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
     for (int page : quick ? std::vector<int>{16} : std::vector<int>{16, 64}) {
       cases.push_back(gqa_case(AttentionOp::kPagedPrefill, 4, 4096, 4096, true, page));
     }
-    const std::vector<std::pair<int, int>> decode_shapes =
-        quick ? std::vector<std::pair<int, int>>{{64, 4096}}
-              : std::vector<std::pair<int, int>>{{1, 1024},  {1, 32768}, {16, 4096}, {16, 32768},
-                                                 {64, 4096}, {64, 32768}, {256, 16384}};
-    for (auto [batch, len] : decode_shapes) {
-      cases.push_back(gqa_case(AttentionOp::kDecode, batch, 1, len, false, 16));
-    }
-    if (!quick) {
-      // Skewed batches (issue 5): one long request beside many short ones.
-      BenchCase skewed = gqa_case(AttentionOp::kDecode, 256, 1, 512, false, 16);
-      skewed.first_kv_len = 32768;
-      skewed.name = "decode gqa32/8 d128 p16 skewed 1x32k+255x512";
-      cases.push_back(skewed);
+    if (quick) {
+      cases.push_back(gqa_case(AttentionOp::kDecode, 64, 1, 4096, false, 16));
+    } else {
+      // Decode of every batch shape, then a skewed batch (issue 5).
+      for (const BenchCase& c : decode_suite_cases()) cases.push_back(c);
       BenchCase skewed_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 256, 256, true, 0);
       skewed_prefill.first_q_len = skewed_prefill.first_kv_len = 16384;
       skewed_prefill.name = "prefill gqa32/8 d128 causal skewed 1x16k+63x256";
@@ -684,20 +694,15 @@ int run_roofline_bench(const BenchOptions& options) {
   std::cout << "tessera bench --suite roofline: " << describe_device(device)
             << ", plain read of each decode shape's K+V bytes, L2 flush "
             << (flush != nullptr && *flush != 0 ? flush : "write") << "\n";
-  const std::vector<std::pair<int, int>> shapes = {{1, 1024},  {1, 32768}, {16, 4096},
-                                                   {16, 32768}, {64, 4096}, {64, 32768},
-                                                   {256, 16384}};
-  for (auto [batch, len] : shapes) {
-    const size_t bytes = size_t{2} * batch * len * 8 * 128 * 2;  // K+V, 8 kv heads, d128, bf16
-    const double ms = detail::cuda_read_ceiling_ms(bytes, options.iterations > 0 ? options.iterations : 30,
-                                                   kL2FlushBytes);
-    std::printf("  read %3dx%-6d %9.1f MB %10.4f ms %7.3f TB/s\n", batch, len, bytes / 1e6, ms,
+  const int iterations = options.iterations > 0 ? options.iterations : 30;
+  for (const BenchCase& c : decode_suite_cases()) {
+    // K and V of every key, bf16 (the bench's default dtype).
+    const auto bytes = static_cast<size_t>(2.0 * total_keys(c) * c.num_kv_heads * c.head_dim * 2);
+    const double ms = detail::cuda_read_ceiling_ms(bytes, iterations, kL2FlushBytes);
+    const std::string shape = c.name.substr(c.name.find(" p16 ") + 5);
+    std::printf("  read %-26s %9.1f MB %10.4f ms %7.3f TB/s\n", shape.c_str(), bytes / 1e6, ms,
                 bytes / (ms * 1e-3) / 1e12);
   }
-  const size_t skewed = size_t{2} * (32768 + 255 * 512) * 8 * 128 * 2;
-  const double ms = detail::cuda_read_ceiling_ms(skewed, 30, kL2FlushBytes);
-  std::printf("  read skewed 1x32k+255x512 %9.1f MB %10.4f ms %7.3f TB/s\n", skewed / 1e6, ms,
-              skewed / (ms * 1e-3) / 1e12);
   return 0;
 #else
   return 0;
