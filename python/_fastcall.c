@@ -32,7 +32,7 @@
 #include <tessera/tessera.h>
 
 /* Bumped when the Python side (_fast.py) and this module must change together. */
-#define FASTCALL_VERSION 2
+#define FASTCALL_VERSION 3
 #define MAX_NDIM 8
 #define MAX_DTYPES 32
 #define NPY_C_CONTIGUOUS 0x1
@@ -105,7 +105,7 @@ static int torch_exchange_stream;          /* use exchange->current_work_stream 
 static int torch_ready;
 
 static PyObject *s_dtype, *s_layout, *s_is_cuda, *s_is_cpu, *s_get_device, *s_data_ptr, *s_shape,
-    *s_stride;
+    *s_stride, *s_is_neg;
 
 static unsigned long long calls_served; /* run calls that went through this module */
 static unsigned long long calls_declined; /* run calls handed back to the ctypes path */
@@ -208,7 +208,21 @@ static int describe_torch_exchange(PyObject* obj, desc* d) {
   return 1;
 }
 
+/* A lazy negative view (torch's negative bit: x.conj().imag, torch._neg_view) has the memory of
+ * its base, not its values, and neither DLPack mode says so: never described, so the ctypes
+ * path refuses it by name. (The conjugate bit exists only on complex dtypes, which no run
+ * accepts.) 1: negative view; 0: not; -1: is_neg() failed. */
+static int torch_negative_view(PyObject* obj) {
+  PyObject* value = PyObject_CallMethodObjArgs(obj, s_is_neg, NULL);
+  if (value == NULL) return -1;
+  int negative = value == Py_True;
+  Py_DECREF(value);
+  return negative;
+}
+
 static int describe_torch(PyObject* obj, desc* d) {
+  int negative = torch_negative_view(obj);
+  if (negative != 0) return negative < 0 ? not_handled() : 0;
   if (torch_exchange != NULL) return describe_torch_exchange(obj, d);
   PyObject* value = PyObject_GetAttr(obj, s_dtype);
   if (value == NULL) goto fail;
@@ -868,8 +882,9 @@ PyMODINIT_FUNC PyInit__fastcall(void) {
   s_data_ptr = intern("data_ptr");
   s_shape = intern("shape");
   s_stride = intern("stride");
+  s_is_neg = intern("is_neg");
   if (!s_dtype || !s_layout || !s_is_cuda || !s_is_cpu || !s_get_device || !s_data_ptr ||
-      !s_shape || !s_stride)
+      !s_shape || !s_stride || !s_is_neg)
     goto error;
   if (PyModule_AddIntConstant(module, "VERSION", FASTCALL_VERSION) < 0 ||
       PyModule_AddIntConstant(module, "ABI_VERSION", TESSERA_ABI_VERSION) < 0 ||

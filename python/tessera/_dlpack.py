@@ -183,10 +183,29 @@ def _from_capsule(capsule: Any, owner: Any, name: str, writable: bool) -> DLTens
     return tensor
 
 
+def _refuse_lazy_bits(tensor: Any, name: str, writable: bool) -> None:
+    """Raises ValueError for a torch tensor with the negative or conjugate bit set (a lazy
+    negation / ``conj()``, e.g. ``x.conj().imag`` or ``torch._neg_view(x)``): DLPack export
+    ignores these bits, so its memory would be read (or written) without the negation. Refused
+    rather than resolved: a resolved copy of an output would not receive the results, and the
+    descriptor cache must not describe a temporary."""
+    if tensor.is_neg():
+        bit, method = "negative", "resolve_neg"
+    elif tensor.is_conj():
+        bit, method = "conjugate", "resolve_conj"
+    else:
+        return
+    advice = ("it is written, so pass a tensor without the bit" if writable
+              else f"pass {name}.{method}() (a copy holding the values)")
+    raise ValueError(f"'{name}': the torch tensor has its {bit} bit set (a lazy view whose "
+                     f"memory does not hold its values); {advice}")
+
+
 def _from_torch(tensor: Any, name: str, writable: bool) -> DLTensor:
     torch = sys.modules["torch"]
     if tensor.requires_grad:
         tensor = tensor.detach()
+    _refuse_lazy_bits(tensor, name, writable)
     fp8 = _torch_fp8_code(tensor.dtype)
     if fp8:
         view = tensor.view(torch.uint8)
@@ -242,8 +261,9 @@ def to_dl(obj: Any, name: str, writable: bool = False) -> DLTensor:
 # numpy: the data pointer and flags are read from the PyArrayObject struct (``data`` right after
 # the object header, ``flags`` after nd/dimensions/strides/base/descr; numpy's C ABI since 1.7),
 # ~10x cheaper than ``__array_interface__`` / ``.ctypes``; verified at import, else not used.
-# torch: ``data_ptr()``, ``shape``, ``stride()``, ``dtype``, ``device``. Other frameworks (cupy,
-# jax, ...) are not cached (to_dl each call).
+# torch: ``data_ptr()``, ``shape``, ``stride()``, ``dtype``, ``device`` and ``is_neg()`` (a lazy
+# negative view is refused, not described). Other frameworks (cupy, jax, ...) are not cached
+# (to_dl each call).
 
 
 class _NumpyHead(ctypes.Structure):
@@ -329,7 +349,10 @@ def cached_dl(obj: Any, name: str, writable: bool = False) -> DLTensor:
         else:
             key = (cls, _voidp_at(id(obj) + _HEAD_SIZE).value, obj.shape, obj.strides, obj.dtype)
     elif kind == "torch":
-        key = (cls, obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device)
+        # is_neg(): a negative-bit view has the memory of its base but not its values; it must
+        # miss so that to_dl refuses it. (The conjugate bit exists only on complex dtypes, which
+        # the library refuses by dtype.)
+        key = (cls, obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg())
     else:
         tensor = to_dl(obj, name, writable)
         tensor._cuda = tensor.device.device_id if tensor.device.device_type == kDLCUDA else None
@@ -470,18 +493,49 @@ def stream_of(obj: Any, tensor: DLTensor) -> Optional[int]:
         return None
     kind = framework(obj)
     if kind == "torch":
-        torch = sys.modules["torch"]
-        # torch.cuda.current_stream(device).cuda_stream without building a Stream object (the
-        # raw getter torch's own compiled code uses; ~1 us cheaper per call).
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if raw is not None:
-            return raw(tensor.device.device_id) or None
-        return torch.cuda.current_stream(obj.device).cuda_stream or None
+        return torch_stream(tensor.device.device_id) or None
     if kind == "cupy":
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(tensor.device.device_id):
             return cupy.cuda.get_current_stream().ptr or None
     return None
+
+
+def torch_stream(device_index: int) -> int:
+    """torch's current CUDA stream on a device, as an integer cudaStream_t (0: the legacy
+    default stream)."""
+    torch = sys.modules["torch"]
+    # torch.cuda.current_stream(device).cuda_stream without building a Stream object (the raw
+    # getter torch's own compiled code uses; ~1 us cheaper per call).
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device_index) or 0
+    return torch.cuda.current_stream(device_index).cuda_stream or 0
+
+
+def stream_capturing(obj: Any, tensor: DLTensor) -> bool:
+    """Whether the framework's current CUDA stream on the device of ``tensor`` (a descriptor of
+    ``obj``) is being captured into a CUDA graph: then the work lists of a plan must not be
+    uploaded with tessera_plan_upload (it refuses), run() copies them itself. False for host
+    memory; True when the framework cannot tell (torch and cupy can), the capture-safe answer."""
+    if tensor.device.device_type != kDLCUDA:
+        return False
+    kind = framework(obj)
+    index = tensor.device.device_id
+    if kind == "torch":
+        torch = sys.modules["torch"]
+        # torch answers for the current device; a capture makes its stream's device current.
+        if index == torch.cuda.current_device():
+            return torch.cuda.is_current_stream_capturing()
+        with torch.cuda.device(index):
+            return torch.cuda.is_current_stream_capturing()
+    if kind == "cupy":
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(index):
+            stream = cupy.cuda.get_current_stream()
+            is_capturing = getattr(stream, "is_capturing", None)
+            return True if is_capturing is None else bool(is_capturing())
+    return True
 
 
 _DL_TO_NUMPY = {
@@ -563,7 +617,8 @@ def to_host_int32(obj: Any, name: str) -> np.ndarray:
     Python sequence. Values must fit in int32."""
     kind = framework(obj)
     if kind == "torch":
-        obj = obj.detach().to("cpu").numpy()
+        # resolve_*: lazy conjugate / negative views, which numpy() refuses (no-ops otherwise)
+        obj = obj.detach().to("cpu").resolve_conj().resolve_neg().numpy()
     elif kind == "cupy":
         obj = obj.get()
     elif kind == "dlpack":

@@ -36,7 +36,7 @@ import numpy as np
 from . import _capi, _dlpack
 
 #: The extension's VERSION this module was written for.
-_VERSION = 2
+_VERSION = 3
 _FILE_NAME = "_fastcall.abi3.so"
 
 _lock = threading.Lock()
@@ -196,6 +196,9 @@ def _torch_samples(torch: Any) -> List[Tuple[Any, bool]]:
                (torch.zeros(5, dtype=torch.int32), False)]
     if hasattr(torch, "bfloat16"):
         samples.append((torch.zeros(2, 3, dtype=torch.bfloat16), True))
+    if hasattr(torch, "_neg_view"):
+        # A lazy negative view: the ctypes path refuses it, so the extension must decline it.
+        samples.append((torch._neg_view(base), False))
     return samples
 
 
