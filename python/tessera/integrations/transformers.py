@@ -21,10 +21,13 @@ What it serves (anything else raises ValueError instead of computing a wrong ans
   ``cu_seq_lens_k`` keyword arguments (batch size 1).
 
 Without padding, the key/value tensors ``[batch, num_kv_heads, kv_len, head_dim]`` are used in
-place as an HND paged cache with one page per sequence: no copy and no host synchronisation,
-and the plan is cached across layers. With padding, the valid rows are gathered into a ragged
-batch (one host read of the mask per forward, cached across layers) and scattered back; padded
-query rows get zeros.
+place as an HND paged cache with one page per sequence: no copy and no host synchronisation.
+The plan is cached across layers, and its work lists are uploaded once per plan (one async copy)
+into a workspace kept per CUDA device and stream, so each layer's run only launches kernels.
+While a CUDA graph is being captured the run copies the lists itself instead (recorded into the
+graph), and plans used by a capture are kept alive for its replays. With padding, the valid rows
+are gathered into a ragged batch (one host read of the mask per forward, cached across layers)
+and scattered back; padded query rows get zeros.
 """
 
 from __future__ import annotations
@@ -32,14 +35,14 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from .. import _capi
 from .._capi import Plan, check, kDLCPU, kDLCUDA
-from .._common import attention_options, paged_kv
-from .._dlpack import to_dl
+from .._common import attention_options, paged_kv, stream_arg
+from .._dlpack import stream_capturing, to_dl, torch_stream
 from ..attention import varlen_attention
 
 __all__ = ["register", "tessera_attention_forward", "ATTENTION_NAME"]
@@ -199,28 +202,28 @@ def _valid_ranges(torch: Any, attention_mask: Any, batch: int, seqlen_q: int, se
 
 
 class _DensePlan:
-    __slots__ = ("plan", "decode", "tensors", "dls")
+    __slots__ = ("plan", "decode", "tensors", "dls", "in_graph")
 
     def __init__(self, plan: Plan, decode: bool, tensors: Tuple, dls: Tuple) -> None:
         self.plan = plan
         self.decode = decode
         self.tensors = tensors  # device index arrays (kept alive)
         self.dls = dls  # (page_indptr, page_indices, last_page_len, qo_indptr or None)
+        self.in_graph = False  # run during a CUDA graph capture: held by _GRAPH_PLANS
 
 
+# Plans by shape, device and stream (the index arrays are written on that stream, and a plan is
+# uploaded into that stream's workspace); the last _MAX_PLANS are kept.
 _PLANS: "OrderedDict[Tuple, _DensePlan]" = OrderedDict()
+# Plans run during a CUDA graph capture: the captured run copies the work lists from the plan's
+# host memory and reads its index arrays on every replay, so these are never freed.
+_GRAPH_PLANS: List[_DensePlan] = []
 
 
-def _device_of(tensor: Any) -> Tuple[int, int]:
-    if tensor.device.type == "cuda":
-        index = tensor.device.index
-        return kDLCUDA, (0 if index is None else index)
-    return kDLCPU, 0
-
-
-def _dense_plan(torch: Any, device: Any, batch: int, seqlen_q: int, seqlen_kv: int, heads: int,
-                kv_heads: int, dim: int, options: _capi.AttentionOptions) -> _DensePlan:
-    key = (str(device), batch, seqlen_q, seqlen_kv, heads, kv_heads, dim, options.causal,
+def _dense_plan(torch: Any, device: Any, stream: int, capturing: bool, batch: int, seqlen_q: int,
+                seqlen_kv: int, heads: int, kv_heads: int, dim: int,
+                options: _capi.AttentionOptions) -> _DensePlan:
+    key = (str(device), stream, batch, seqlen_q, seqlen_kv, heads, kv_heads, dim, options.causal,
            options.window_left, options.logits_soft_cap, options.sm_scale)
     entry = _PLANS.get(key)
     if entry is not None:
@@ -245,57 +248,119 @@ def _dense_plan(torch: Any, device: Any, batch: int, seqlen_q: int, seqlen_kv: i
             last_page_len.ctypes.data_as(_I32P), batch, seqlen_kv, heads, kv_heads, dim,
             ctypes.byref(options), device_type, device_id, ctypes.byref(handle)))
     plan = Plan(handle)
-    host = [page_indptr, page_indptr[:-1].copy(), last_page_len]
+    # The same values on the device, written by kernels on the current stream: no host copy, so
+    # no synchronisation (a pageable copy would wait for the stream). One page per sequence:
+    # page i is sequence i, so page_indices is page_indptr without its last entry.
+    int32 = torch.int32
+    device_indptr = torch.arange(batch + 1, dtype=int32, device=device)
+    tensors = [device_indptr, device_indptr[:-1],
+               torch.full((batch,), seqlen_kv, dtype=int32, device=device)]
     if qo_indptr is not None:
-        host.append(qo_indptr)
-    tensors = tuple(torch.from_numpy(values).to(device) for values in host)
+        tensors.append(torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=int32,
+                                    device=device))
     dls = tuple(to_dl(tensor, "index") for tensor in tensors)
     if qo_indptr is None:
         dls = dls + (None,)
-    entry = _DensePlan(plan, decode, tensors, dls)
+    entry = _DensePlan(plan, decode, tuple(tensors), dls)
+    if capturing:
+        # Made inside a capture: the index arrays get their values only when the graph replays,
+        # so this plan serves this capture only (not cached; held by _GRAPH_PLANS).
+        return entry
     _PLANS[key] = entry
     while len(_PLANS) > _MAX_PLANS:
         _PLANS.popitem(last=False)
     return entry
 
 
-def _stream(torch: Any, tensor: Any) -> Optional[ctypes.c_void_p]:
-    if tensor.device.type != "cuda":
-        return None
-    stream = torch.cuda.current_stream(tensor.device).cuda_stream
-    return ctypes.c_void_p(stream) if stream else None
+class _Workspace:
+    """A workspace shared by the dense path's runs on one CUDA device and stream (they use it one
+    after the other in stream order), and the plan whose work lists it holds (uploaded by
+    tessera_plan_upload)."""
+
+    __slots__ = ("buffer", "pointer", "nbytes", "uploaded")
+
+    def __init__(self, buffer: Any) -> None:
+        self.buffer = buffer
+        self.pointer = buffer.data_ptr()
+        self.nbytes = buffer.numel()
+        self.uploaded: Optional[_DensePlan] = None
+
+
+_WORKSPACES: Dict[Tuple[int, int], _Workspace] = {}  # by (device index, stream)
+_MAX_WORKSPACES = 8  # streams with a workspace (all are dropped when one more comes)
+_MIN_WORKSPACE_BYTES = 1 << 20
+
+
+def _shared_workspace(torch: Any, device: Any, stream: int, entry: _DensePlan) -> _Workspace:
+    """The workspace of (device, stream) holding ``entry``'s work lists: grown when the plan
+    needs more (to a power of two, so a growing decode reallocates rarely), and uploaded into
+    (one async copy from pinned staging) when another plan was uploaded last. run() checks that
+    the workspace still holds the plan's upload and otherwise copies the lists itself, so this
+    bookkeeping decides only whether runs launch kernels alone."""
+    key = (device.index or 0, stream)
+    workspace = _WORKSPACES.get(key)
+    needed = entry.plan.workspace_bytes
+    if workspace is None or workspace.nbytes < needed:
+        if workspace is None and len(_WORKSPACES) >= _MAX_WORKSPACES:
+            _WORKSPACES.clear()
+        # A dropped buffer goes back to torch's caching allocator, which hands it out again only
+        # in order on the stream it was allocated on (this one): safe while runs are in flight.
+        capacity = max(_MIN_WORKSPACE_BYTES, 1 << max(needed - 1, 0).bit_length())
+        workspace = _Workspace(torch.empty(capacity, dtype=torch.uint8, device=device))
+        _WORKSPACES[key] = workspace
+    if workspace.uploaded is not entry:
+        check(_capi.lib().tessera_plan_upload(entry.plan.handle, workspace.pointer,
+                                              workspace.nbytes, stream_arg(stream)))
+        workspace.uploaded = entry
+    return workspace
 
 
 def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
                      options: _capi.AttentionOptions) -> Any:
     batch, heads, seqlen_q, dim = query.shape
     kv_heads, seqlen_kv = key.shape[1], key.shape[2]
-    entry = _dense_plan(torch, query.device, batch, seqlen_q, seqlen_kv, heads, kv_heads, dim,
-                        options)
+    device = query.device
     q_rows = query.transpose(1, 2)
     if q_rows.stride(-1) != 1:
         q_rows = q_rows.contiguous()
     q_rows = q_rows.reshape(batch * seqlen_q, heads, dim)
+    q_dl = to_dl(q_rows, "query")
+    cuda = device.type == "cuda"
+    stream = torch_stream(q_dl.device.device_id) if cuda else 0
+    capturing = cuda and stream_capturing(q_rows, q_dl)
+    entry = _dense_plan(torch, device, stream, capturing, batch, seqlen_q, seqlen_kv, heads,
+                        kv_heads, dim, options)
+    if cuda and not capturing:
+        # Steady state: the shared workspace already holds this plan's lists (uploaded once per
+        # plan, not once per layer), so the run only launches kernels.
+        shared = _shared_workspace(torch, device, stream, entry)
+        workspace, workspace_bytes = shared.buffer, shared.nbytes
+    else:
+        # CPU (runs may come from several threads at once), or a CUDA graph capture: a fresh
+        # workspace (from the graph's pool when capturing) without an upload, so the captured
+        # run copies the lists itself from the plan's host memory, which _GRAPH_PLANS keeps.
+        workspace_bytes = entry.plan.workspace_bytes
+        workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=device)
+        if capturing and not entry.in_graph:
+            entry.in_graph = True
+            _GRAPH_PLANS.append(entry)
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
-    out = torch.empty((batch, seqlen_q, heads, dim), dtype=query.dtype, device=query.device)
-    workspace_bytes = entry.plan.workspace_bytes
-    workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=query.device)
-    q_dl = to_dl(q_rows, "query")
+    out = torch.empty((batch, seqlen_q, heads, dim), dtype=query.dtype, device=device)
     o_dl = to_dl(out.view(batch * seqlen_q, heads, dim), "out", writable=True)
     page_indptr, page_indices, last_page_len, qo_indptr = entry.dls
     kv = paged_kv(to_dl(key, "key"), to_dl(value, "value"), page_indptr, page_indices,
                   last_page_len, _capi.TESSERA_KV_LAYOUT_HND)
     library = _capi.lib()
-    stream = _stream(torch, query)
+    stream_ptr = stream_arg(stream)
     if entry.decode:
         check(library.tessera_run_decode(entry.plan.handle, ctypes.byref(q_dl), ctypes.byref(kv),
                                          ctypes.byref(o_dl), None, workspace.data_ptr(),
-                                         workspace_bytes, stream))
+                                         workspace_bytes, stream_ptr))
     else:
         check(library.tessera_run_paged_prefill(
             entry.plan.handle, ctypes.byref(q_dl), ctypes.byref(kv), ctypes.byref(qo_indptr),
-            ctypes.byref(o_dl), None, workspace.data_ptr(), workspace_bytes, stream))
+            ctypes.byref(o_dl), None, workspace.data_ptr(), workspace_bytes, stream_ptr))
     return out
 
 
@@ -317,8 +382,10 @@ def _padded_attention(torch: Any, query: Any, key: Any, value: Any, ranges, caus
     cu_q = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
     device = query.device
-    q_index_t = torch.from_numpy(q_index).to(device)
-    k_index_t = torch.from_numpy(k_index).to(device)
+    # Stream-ordered copies without a host synchronisation (the driver stages pageable memory
+    # before the call returns; see _dlpack.from_numpy).
+    q_index_t = torch.from_numpy(q_index).to(device, non_blocking=True)
+    k_index_t = torch.from_numpy(k_index).to(device, non_blocking=True)
     q_rows = query.transpose(1, 2).reshape(batch * seqlen_q, heads, dim).index_select(0, q_index_t)
     k_rows = key.transpose(1, 2).reshape(batch * seqlen_kv, kv_heads, dim).index_select(0,
                                                                                      k_index_t)
