@@ -143,24 +143,48 @@ def _torch_problem(torch, workspace_bytes: int, randn, suffix: str = ""):
     and dtype), planned; returns the four run() cases and (decode, q, k_cache, v_cache, paged,
     out, workspace) for the floor and breakdown timings."""
     q = randn(1, HEADS_QO, DIM)
-    workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
     k_cache = randn(1, KEYS, HEADS_KV, DIM)
     v_cache = randn(1, KEYS, HEADS_KV, DIM)
     k, v = k_cache[0].contiguous(), v_cache[0].contiguous()
     out = torch.empty_like(q)
     paged = (k_cache, v_cache)
-    decode = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
-    decode.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
-                torch.tensor([KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, KEYS)
-    ragged = tessera.BatchPrefillWithRaggedKVCacheWrapper(workspace)
-    ragged.plan(torch.tensor([0, 1], dtype=torch.int32),
-                torch.tensor([0, KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, causal=True)
+
+    def workspace_of():
+        return torch.empty(workspace_bytes, dtype=torch.uint8, device=q.device)
+
+    def decode_wrapper(workspace):
+        wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
+        wrapper.plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                     torch.tensor([KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM, KEYS)
+        return wrapper
+
+    def ragged_wrapper(workspace):
+        wrapper = tessera.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        wrapper.plan(torch.tensor([0, 1], dtype=torch.int32),
+                     torch.tensor([0, KEYS], dtype=torch.int32), HEADS_QO, HEADS_KV, DIM,
+                     causal=True)
+        return wrapper
+
+    # Each wrapper its own workspace, so each run() finds its plan's lists resident (uploaded by
+    # plan()), as in `tessera bench --suite overhead`.
+    workspace = workspace_of()
+    decode = decode_wrapper(workspace)
+    ragged = ragged_wrapper(workspace_of())
     cases = [
         ("decode  run()" + suffix, lambda: decode.run(q, paged)),
         ("decode  run(out=)" + suffix, lambda: decode.run(q, paged, out=out)),
         ("ragged  run()" + suffix, lambda: ragged.run(q, k, v)),
         ("ragged  run(out=)" + suffix, lambda: ragged.run(q, k, v, out=out)),
     ]
+    if q.device.type == "cuda":
+        # Two wrappers on one workspace (as FlashInfer users often share one buffer): the later
+        # plan overwrote the earlier one's lists, so every run() of the decode wrapper uploads
+        # them again (one copy from pinned staging).
+        shared = workspace_of()
+        shared_decode = decode_wrapper(shared)
+        ragged_wrapper(shared)
+        cases.append(("decode  run(out=), shared workspace" + suffix,
+                      lambda: shared_decode.run(q, paged, out=out)))
     return cases, (decode, q, k_cache, v_cache, paged, out, workspace)
 
 
@@ -202,7 +226,9 @@ def _ctypes_floor_torch(wrapper, q, k_cache, v_cache, out, workspace):
 
 def breakdown(objects, calls: int, repeats: int) -> None:
     """Host cost of the pieces of a torch CUDA run(out=): torch attribute reads, the descriptor
-    cache, the stream getter, the paged-KV struct (pure host work, no launch)."""
+    cache, the stream getter, the paged-KV struct (pure host work, no launch); then, with the C
+    fast path, its runner alone and the bare C call on the current (default) stream and on a
+    side stream."""
     import torch
     from tessera._dlpack import cached_dl
     decode, q, paged, out = objects
@@ -222,12 +248,22 @@ def breakdown(objects, calls: int, repeats: int) -> None:
         ("wrapper._paged_kv(kv)", lambda: decode._paged_kv(paged)),
         ("empty python call", lambda: None),
     ]
+    for name, call in pieces:
+        print(f"  piece {name:42s} {best_us(call, calls, repeats):7.3f} us")
     if decode._fast is not None:  # the fast path's runner alone: describe 4 tensors + C run
         fast = decode._fast
-        host = host_us(lambda: fast(q, paged, out, None), calls, repeats, torch.cuda.synchronize)
-        print(f"  piece {'fast runner(q, kv, out) (host)':34s} {host:7.3f} us")
-        c_us = c_call_us(decode, (q, paged, out, None), calls, repeats, torch.cuda.synchronize)
-        print(f"  piece {'C run_decode in this process':34s} {c_us:7.3f} us")
+        sync = torch.cuda.synchronize
+        host = host_us(lambda: fast(q, paged, out, None), calls, repeats, sync)
+        print(f"  piece {'fast runner(q, kv, out) (host)':42s} {host:7.3f} us")
+        c_us = c_call_us(decode, (q, paged, out, None), calls, repeats, sync)
+        print(f"  piece {'C run_decode in this process':42s} {c_us:7.3f} us")
+        # The same on a non-default stream: the runner launches on torch's current stream (read
+        # per call), so this tells whether launching on the legacy default stream costs more
+        # inside a torch process than from a C++ binary. The workspace upload happened at plan()
+        # on the default stream; c_call_us synchronises the device before each batch.
+        with torch.cuda.stream(torch.cuda.Stream()):
+            c_us = c_call_us(decode, (q, paged, out, None), calls, repeats, sync)
+        print(f"  piece {'C run_decode in this process, side stream':42s} {c_us:7.3f} us")
 
 
 def c_call_us(wrapper, arguments, calls: int, repeats: int,
@@ -247,8 +283,6 @@ def c_call_us(wrapper, arguments, calls: int, repeats: int,
     if sync is not None:
         sync()
     return best
-    for name, call in pieces:
-        print(f"  piece {name:34s} {best_us(call, calls, repeats):7.3f} us")
 
 
 def main() -> int:

