@@ -513,6 +513,16 @@ def torch_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream or 0
 
 
+def torch_stream_capturing(device_index: int) -> bool:
+    """Whether torch's current CUDA stream on a device is being captured into a CUDA graph."""
+    torch = sys.modules["torch"]
+    # torch answers for the current device; a capture makes its stream's device current.
+    if device_index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device_index):
+        return torch.cuda.is_current_stream_capturing()
+
+
 def stream_capturing(obj: Any, tensor: DLTensor) -> bool:
     """Whether the framework's current CUDA stream on the device of ``tensor`` (a descriptor of
     ``obj``) is being captured into a CUDA graph: then the work lists of a plan must not be
@@ -523,12 +533,7 @@ def stream_capturing(obj: Any, tensor: DLTensor) -> bool:
     kind = framework(obj)
     index = tensor.device.device_id
     if kind == "torch":
-        torch = sys.modules["torch"]
-        # torch answers for the current device; a capture makes its stream's device current.
-        if index == torch.cuda.current_device():
-            return torch.cuda.is_current_stream_capturing()
-        with torch.cuda.device(index):
-            return torch.cuda.is_current_stream_capturing()
+        return torch_stream_capturing(index)
     if kind == "cupy":
         cupy = sys.modules["cupy"]
         with cupy.cuda.Device(index):

@@ -208,6 +208,24 @@ def test_cuda_dense_path_uploads_once_per_plan(monkeypatch):
 
 
 @cuda_only
+def test_cuda_dense_path_runs_through_the_fast_path():
+    """With the C extension in use, the dense path's CUDA runs go through its runner (one C call
+    describes the tensors and runs), prefill and decode alike, with the same results."""
+    info = tessera.fastcall_info()
+    if not info["loaded"] or not info["enabled"]:
+        pytest.skip(f"the C fast path is not in use: {info['reason']}")
+    before = tessera.fastcall_info()["calls"]
+    for seqlen_q, seqlen_kv in ((130, 130), (1, 131), (2, 133)):
+        query, key, value = qkv(2, 8, 2, seqlen_q, seqlen_kv, 64, torch.bfloat16, "cuda")
+        out = forward(query, key, value)
+        torch.testing.assert_close(out.float(), reference(query, key, value, seqlen_q > 1),
+                                   **BF16)
+    assert tessera.fastcall_info()["calls"] == before + 3
+    assert all(entry.runner is not None and entry.runner[1] is not None
+               for entry in hf._PLANS.values())
+
+
+@cuda_only
 @pytest.mark.parametrize("warm", [True, False], ids=["plan-made-before", "plan-made-in-capture"])
 def test_cuda_graph_capture_of_the_dense_path(warm):
     """A captured run copies the work lists itself from the plan's host memory (no upload while

@@ -39,10 +39,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .. import _capi
+from .. import _capi, _fast
 from .._capi import Plan, check, kDLCPU, kDLCUDA
 from .._common import attention_options, paged_kv, stream_arg
-from .._dlpack import stream_capturing, to_dl, torch_stream
+from .._dlpack import to_dl, torch_stream, torch_stream_capturing
 from ..attention import varlen_attention
 
 __all__ = ["register", "tessera_attention_forward", "ATTENTION_NAME"]
@@ -202,7 +202,7 @@ def _valid_ranges(torch: Any, attention_mask: Any, batch: int, seqlen_q: int, se
 
 
 class _DensePlan:
-    __slots__ = ("plan", "decode", "tensors", "dls", "in_graph")
+    __slots__ = ("plan", "decode", "tensors", "dls", "in_graph", "runner")
 
     def __init__(self, plan: Plan, decode: bool, tensors: Tuple, dls: Tuple) -> None:
         self.plan = plan
@@ -210,6 +210,8 @@ class _DensePlan:
         self.tensors = tensors  # device index arrays (kept alive)
         self.dls = dls  # (page_indptr, page_indices, last_page_len, qo_indptr or None)
         self.in_graph = False  # run during a CUDA graph capture: held by _GRAPH_PLANS
+        # ((workspace pointer, bytes), the C fast path's runner for this plan on it, or None)
+        self.runner: Optional[Tuple[Tuple[int, int], Any]] = None
 
 
 # Plans by shape, device and stream (the index arrays are written on that stream, and a plan is
@@ -315,6 +317,23 @@ def _shared_workspace(torch: Any, device: Any, stream: int, entry: _DensePlan) -
     return workspace
 
 
+def _fast_runner(entry: _DensePlan, shared: _Workspace, device_index: int) -> Any:
+    """The C fast path's runner of ``entry``'s plan on ``shared`` (made once per plan and
+    workspace), or None when the extension is not in use."""
+    where = (shared.pointer, shared.nbytes)
+    cached = entry.runner
+    if cached is not None and cached[0] == where:
+        return cached[1]
+    index = entry.dls if not entry.decode else entry.dls[:3]
+    symbol = "tessera_run_decode" if entry.decode else "tessera_run_paged_prefill"
+    # The runner holds the plan and index arrays, not the workspace: it is used only while
+    # `shared` (which holds the buffer) still has this pointer and size.
+    runner = _fast.runner(symbol, entry.plan, shared.pointer, shared.nbytes,
+                          _capi.TESSERA_KV_LAYOUT_HND, list(index), None, (kDLCUDA, device_index))
+    entry.runner = (where, runner)
+    return runner
+
+
 def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
                      options: _capi.AttentionOptions) -> Any:
     batch, heads, seqlen_q, dim = query.shape
@@ -324,10 +343,12 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
     if q_rows.stride(-1) != 1:
         q_rows = q_rows.contiguous()
     q_rows = q_rows.reshape(batch * seqlen_q, heads, dim)
-    q_dl = to_dl(q_rows, "query")
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
     cuda = device.type == "cuda"
-    stream = torch_stream(q_dl.device.device_id) if cuda else 0
-    capturing = cuda and stream_capturing(q_rows, q_dl)
+    device_index = (device.index or 0) if cuda else 0
+    stream = torch_stream(device_index) if cuda else 0
+    capturing = cuda and torch_stream_capturing(device_index)
     entry = _dense_plan(torch, device, stream, capturing, batch, seqlen_q, seqlen_kv, heads,
                         kv_heads, dim, options)
     if cuda and not capturing:
@@ -335,6 +356,16 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
         # plan, not once per layer), so the run only launches kernels.
         shared = _shared_workspace(torch, device, stream, entry)
         workspace, workspace_bytes = shared.buffer, shared.nbytes
+        runner = _fast_runner(entry, shared, device_index)
+        if runner is not None:
+            # The C fast path: the four tensors described and the C run called in one call.
+            out = torch.empty_like(q_rows, memory_format=torch.contiguous_format)
+            status = runner(q_rows, (key, value), out, None)
+            if status == 0:
+                return out.view(batch, seqlen_q, heads, dim)
+            if status > 0:
+                check(status)
+            # -1: not served (an argument the fast path does not describe): the ctypes path
     else:
         # CPU (runs may come from several threads at once), or a CUDA graph capture: a fresh
         # workspace (from the graph's pool when capturing) without an upload, so the captured
@@ -344,8 +375,7 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
         if capturing and not entry.in_graph:
             entry.in_graph = True
             _GRAPH_PLANS.append(entry)
-    key = key if key.stride(-1) == 1 else key.contiguous()
-    value = value if value.stride(-1) == 1 else value.contiguous()
+    q_dl = to_dl(q_rows, "query")
     out = torch.empty((batch, seqlen_q, heads, dim), dtype=query.dtype, device=device)
     o_dl = to_dl(out.view(batch * seqlen_q, heads, dim), "out", writable=True)
     page_indptr, page_indices, last_page_len, qo_indptr = entry.dls
