@@ -18,7 +18,7 @@ import argparse
 import json
 import statistics
 import sys
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,6 +34,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default="", help="also write the results to this file")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one prefill and 8 decode steps per implementation "
+                             "(torch.profiler: the top kernels by GPU time and ops by CPU time)")
     return parser.parse_args()
 
 
@@ -115,6 +118,8 @@ def main() -> int:
             decode_run()
         prefill_ms = statistics.median(timed(prefill) for _ in range(args.repeats))
         decode_ms = statistics.median(decode_run() for _ in range(args.repeats))
+        if args.profile:  # after the timing, which it would disturb
+            profile(torch, name, prefill, model)
         results.append({"impl": name, "prefill_ms": prefill_ms, "decode_ms_per_token": decode_ms})
         torch.cuda.empty_cache()
 
@@ -139,6 +144,51 @@ def main() -> int:
                        "decode_tokens": args.decode_tokens, "dtype": args.dtype,
                        "device": device, "results": results}, handle, indent=2)
     return 0
+
+
+def profile(torch, name: str, prefill, model) -> None:
+    """Where one prefill and 8 decode steps spend their time under implementation ``name``:
+    the top kernels by GPU time (torch.profiler) and the top Python functions by host time
+    (cProfile, a separate run: the two profilers' overheads do not mix)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    def decode_steps() -> Callable[[], None]:
+        """8 decode steps after a fresh prefill (the prefill is not part of the returned run)."""
+        output, cache = prefill()
+        token = output.logits[:, -1:].argmax(-1)
+
+        def steps() -> None:
+            nonlocal token
+            for _ in range(8):
+                step = model(input_ids=token, past_key_values=cache, use_cache=True)
+                token = step.logits[:, -1:].argmax(-1)
+        return steps
+
+    for phase in ("prefill", "decode x8"):
+        with torch.no_grad():
+            run = prefill if phase == "prefill" else decode_steps()
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            print(f"--- profile {name}, {phase}: kernels by GPU time")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10,
+                                            max_name_column_width=70))
+            run = prefill if phase == "prefill" else decode_steps()
+            torch.cuda.synchronize()
+            host = cProfile.Profile()
+            host.enable()
+            run()
+            host.disable()
+            torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(18)
+        print(f"--- profile {name}, {phase}: Python functions by host time")
+        print(text.getvalue())
 
 
 if __name__ == "__main__":
