@@ -36,7 +36,7 @@ import numpy as np
 from . import _capi, _dlpack
 
 #: The extension's VERSION this module was written for.
-_VERSION = 3
+_VERSION = 4
 _FILE_NAME = "_fastcall.abi3.so"
 
 _lock = threading.Lock()

@@ -553,7 +553,9 @@ def test_torch_settings_are_not_used_before_their_self_test(monkeypatch, rng):
     finally:
         monkeypatch.undo()
         _fast._init_torch(module)
-    assert seen and all(entry == (0, 1, True) for entry in seen), seen
+    # Handed back twice: run() without out= first asks the extension to allocate the output,
+    # then calls it again with one allocated in Python.
+    assert seen and all(entry == (0, 2, True) for entry in seen), seen
     assert _fast._torch_state and module.torch_mode() not in ("off", "not enabled")
     assert_same(*run_both(wrapper, lambda w: w.run(q, paged)))
 
@@ -739,3 +741,26 @@ def test_cuda_same_outputs_and_stream(rng):
     assert_same(tuple(t.cpu() for t in fast), tuple(t.cpu() for t in slow))
     assert torch.equal(out.cpu(), fast[0].cpu())
     print("fastcall torch mode:", _fast.info()["torch"])
+
+
+def test_run_without_out_allocates_in_the_extension(rng):
+    """run() without out= on torch: the extension allocates the output through DLPack's exchange
+    API and returns it (served in one call, nothing handed back), equal to run(out=) and shaped,
+    typed and placed like q, contiguous; a failing run frees it and raises the library's error."""
+    needs_torch()
+    for dtype in (np.float32, np.float16):
+        wrapper, q, paged, _ = decode_setup("torch", rng, dtype=dtype)  # (arms torch)
+        if "exchange-api" not in _fast.module().torch_mode():
+            pytest.skip(f"torch is read through {_fast.module().torch_mode()}")
+        before = stats()
+        result = wrapper.run(q, paged)
+        after = stats()
+        assert after[0] == before[0] + 1 and after[1] == before[1], "not served in one call"
+        assert type(result) is torch.Tensor and result.is_contiguous()
+        assert (result.shape, result.dtype, result.device) == (q.shape, q.dtype, q.device)
+        expected = torch.full_like(q, float("nan"))
+        wrapper.run(q, paged, out=expected)
+        assert torch.equal(result, expected)
+        del result  # the allocated tensor is an ordinary torch tensor: freed with its last ref
+    with pytest.raises(ValueError, match="'q'"):
+        wrapper.run(q[:1], paged)  # fewer rows than the plan's: the C check refuses
