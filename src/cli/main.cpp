@@ -106,6 +106,10 @@ int main(int argc, char** argv) {
                        "$XDG_CACHE_HOME/tessera/tune.txt or ~/.cache/tessera/tune.txt)");
   tune_cmd->add_flag("--dry-run", tune.dry_run, "measure and print only, write nothing");
   tune_cmd->add_option("--iterations", tune.iterations, "timed runs per candidate and shape");
+  tune_cmd->add_option("--filter", tune.filter,
+                       "only the shapes whose label contains this text, e.g. \"d64 group 8\" "
+                       "(labels: d<head_dim> group <g> <bf16|fp16>; other entries of the file "
+                       "are kept)");
   tune_cmd->add_flag("!--quiet", tune.progress, "no progress lines");
 
   auto* info_cmd = app.add_subcommand("info", "Describe the devices and the build");

@@ -304,20 +304,36 @@ int run_tune(const TuneOptions& options) {
             << options.iterations << " timed runs per point (median, L2 flushed); each "
             << "candidate checked against the reference; chosen: best geometric mean of TB/s\n";
 
-  std::vector<TuneConfig> configs;
-  const size_t total = std::size(kHeadDims) * std::size(kGroups) * std::size(kKvDtypes);
+  struct Shape {
+    int head_dim, group;
+    DType kv_dtype;
+    std::string label;
+  };
+  std::vector<Shape> shapes;
   for (int head_dim : kHeadDims) {
     for (DType kv_dtype : kKvDtypes) {
       for (int group : kGroups) {
-        const std::string prefix = "[" + std::to_string(configs.size() + 1) + "/" +
-                                   std::to_string(total) + "] d" + std::to_string(head_dim) +
-                                   " group " + std::to_string(group) + " " +
-                                   detail::tuning_dtype_name(kv_dtype);
-        configs.push_back(tune_config(device_name, head_dim, group, kv_dtype, options, prefix));
-        print_config(configs.back());
-        std::fflush(stdout);
+        std::string label = "d" + std::to_string(head_dim) + " group " + std::to_string(group) +
+                            " " + detail::tuning_dtype_name(kv_dtype);
+        if (options.filter.empty() || label.find(options.filter) != std::string::npos) {
+          shapes.push_back({head_dim, group, kv_dtype, std::move(label)});
+        }
       }
     }
+  }
+  if (shapes.empty()) {
+    throw Error(Error::Kind::kInvalidArgument,
+                "--filter: no tuned shape matches '" + options.filter +
+                    "' (labels look like \"d128 group 4 bf16\")");
+  }
+  std::vector<TuneConfig> configs;
+  for (const Shape& shape : shapes) {
+    const std::string prefix = "[" + std::to_string(configs.size() + 1) + "/" +
+                               std::to_string(shapes.size()) + "] " + shape.label;
+    configs.push_back(
+        tune_config(device_name, shape.head_dim, shape.group, shape.kv_dtype, options, prefix));
+    print_config(configs.back());
+    std::fflush(stdout);
   }
 
   int failures = 0;

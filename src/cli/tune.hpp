@@ -12,6 +12,7 @@ struct TuneOptions {
   std::string out_path;  // empty: the standard location (detail::default_tuning_file_path)
   bool dry_run = false;  // measure and print, write nothing
   int iterations = 10;   // timed runs per (candidate, batch shape)
+  std::string filter;    // non-empty: only the shapes whose label ("d128 group 4 bf16") has it
   bool progress = true;
 };
 
