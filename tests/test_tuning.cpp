@@ -280,12 +280,15 @@ TEST(Tuning, HeadDimBucketsAndValidKnobs) {
 
 TEST(Tuning, HeavyBatchRuleReplacesOnlyTheBuiltInDefaultVariant) {
   // 132 SMs x 2 tiles per SM = 264 (request, kv head) tiles: 33 requests of 8 kv heads.
-  EXPECT_FALSE(is_heavy_decode_batch(32, 8, 132));
-  EXPECT_TRUE(is_heavy_decode_batch(33, 8, 132));
-  EXPECT_TRUE(is_heavy_decode_batch(256, 8, 132));
-  EXPECT_FALSE(is_heavy_decode_batch(0, 8, 132));  // unknown batch (fixed capacity)
-  EXPECT_FALSE(is_heavy_decode_batch(1000, 0, 132));
-  EXPECT_FALSE(is_heavy_decode_batch(1000, 8, 0));
+  EXPECT_FALSE(is_heavy_decode_batch(32, 8, 128, 132));
+  EXPECT_TRUE(is_heavy_decode_batch(33, 8, 128, 132));
+  EXPECT_TRUE(is_heavy_decode_batch(256, 8, 128, 132));
+  EXPECT_TRUE(is_heavy_decode_batch(256, 8, 96, 132));   // bucket 128
+  EXPECT_FALSE(is_heavy_decode_batch(256, 8, 64, 132));  // measured slower at d64
+  EXPECT_FALSE(is_heavy_decode_batch(256, 8, 256, 132)); // not measured
+  EXPECT_FALSE(is_heavy_decode_batch(0, 8, 128, 132));  // unknown batch (fixed capacity)
+  EXPECT_FALSE(is_heavy_decode_batch(1000, 0, 128, 132));
+  EXPECT_FALSE(is_heavy_decode_batch(1000, 8, 128, 0));
 
   const ResolvedDecodeTuning by_default =
       resolve_decode_tuning(std::nullopt, std::nullopt, std::nullopt, nullptr, kDefaults);

@@ -397,8 +397,9 @@ ResolvedDecodeTuning resolve_decode_tuning(const DecodeTuningQuery& query,
   return resolve_decode_tuning(std::nullopt, env_variant, env_min_kv_chunk, file_entry, defaults);
 }
 
-bool is_heavy_decode_batch(int64_t batch, int num_kv_heads, int num_sms) {
-  return batch > 0 && num_kv_heads > 0 && num_sms > 0 &&
+bool is_heavy_decode_batch(int64_t batch, int num_kv_heads, int head_dim, int num_sms) {
+  return tuning_head_dim_bucket(head_dim) == kHeavyBatchHeadDimBucket && batch > 0 &&
+         num_kv_heads > 0 && num_sms > 0 &&
          batch * num_kv_heads >= int64_t{kHeavyBatchTilesPerSm} * num_sms;
 }
 

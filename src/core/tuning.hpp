@@ -153,18 +153,21 @@ struct ResolvedDecodeTuning {
   bool heavy_batch = false;
 };
 
-// The built-in default's batch rule. A batch with at least kHeavyBatchTilesPerSm (request, kv
-// head) tiles per SM keeps every CTA busy without split-KV, and there the small-CTA variant 4
-// (2 warps x 3 stages, twice the CTAs per SM of variant 1) covers one CTA's per-item latency
-// with others: on the H200, 64 x 4k +2%, skewed 1 x 32k + 255 x 512 +3%, 256 x 16k equal; on
-// fewer tiles it loses (1 x 32k -17%, 16 x 4k -2%; docs/PERF.md). Only the built-in default
-// follows the rule: a variant from the environment, a tuning file or an override is kept.
-// Plans with a fixed capacity (CUDA graphs) never use it, so every plan of one capacity has the
-// same worker count.
+// The built-in default's batch rule, head_dim bucket 128 only. A batch with at least
+// kHeavyBatchTilesPerSm (request, kv head) tiles per SM keeps every CTA busy without split-KV,
+// and there the small-CTA variant 4 (2 warps x 3 stages, twice the CTAs per SM of variant 1)
+// covers one CTA's per-item latency with others: on the H200 at d128, 64 x 4k +2% (groups 4
+// and 8), skewed 1 x 32k + 255 x 512 +3%, 256 x 16k equal; on fewer tiles it loses (1 x 32k
+// -17%, 16 x 4k -2%). At d64 it loses everywhere (64 x 4k -7%, group 4), d256 is unmeasured:
+// both keep variant 1 (docs/PERF.md). Only the built-in default follows the rule: a variant
+// from the environment, a tuning file or an override is kept. Plans with a fixed capacity
+// (CUDA graphs) never use it, so every plan of one capacity has the same worker count.
 inline constexpr int kHeavyBatchDecodeVariant = 4;
 inline constexpr int kHeavyBatchTilesPerSm = 2;
-// batch x num_kv_heads >= kHeavyBatchTilesPerSm x num_sms (batch 0: unknown, never heavy).
-bool is_heavy_decode_batch(int64_t batch, int num_kv_heads, int num_sms);
+inline constexpr int kHeavyBatchHeadDimBucket = 128;
+// head_dim in bucket 128 (tuning_head_dim_bucket) and batch x num_kv_heads >=
+// kHeavyBatchTilesPerSm x num_sms (batch 0: unknown, never heavy).
+bool is_heavy_decode_batch(int64_t batch, int num_kv_heads, int head_dim, int num_sms);
 // `resolved` with the rule applied: the variant becomes kHeavyBatchDecodeVariant when
 // `heavy_batch` and the variant is the built-in default; otherwise unchanged.
 ResolvedDecodeTuning apply_batch_rule(ResolvedDecodeTuning resolved, bool heavy_batch);

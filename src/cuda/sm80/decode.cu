@@ -197,7 +197,7 @@ PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_
   PlanConfig config;
   const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
   config.q_tile_rows = std::max(kDecodeTileRows, group);
-  config.heavy_batch = is_heavy_decode_batch(batch, num_kv_heads, info.num_sms);
+  config.heavy_batch = is_heavy_decode_batch(batch, num_kv_heads, head_dim, info.num_sms);
   const sm80::DecodeKernel* kernel = find_decode_mma_kernel(
       info, head_dim, DType::kBFloat16, DType::kBFloat16, group, group, config.heavy_batch);
   int ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
@@ -221,7 +221,7 @@ CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, in
                                           int64_t batch) {
   CudaDecodeSelection selection;
   const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
-  const bool heavy_batch = is_heavy_decode_batch(batch, num_kv_heads, info.num_sms);
+  const bool heavy_batch = is_heavy_decode_batch(batch, num_kv_heads, head_dim, info.num_sms);
   selection.tuning = decode_tuning(info, head_dim, group, kv_dtype, heavy_batch);
   const sm80::DecodeKernel* kernel =
       find_decode_mma_kernel(info, head_dim, kv_dtype, kv_dtype, group, group, heavy_batch);
