@@ -15,6 +15,7 @@
 #include "cli/buffers.hpp"
 #include "core/half.hpp"
 #include "core/planner.hpp"
+#include "core/tuning.hpp"
 #include "cpu/cpu_info.hpp"
 #include "cpu/reference.hpp"
 #include "tessera/backend.hpp"
@@ -441,8 +442,9 @@ int run_plan_bench(const BenchOptions& options) {
   constexpr int kQoHeads = 32, kKvHeads = 8, kHeadDim = 128, kPageSize = 16;
   // Without a GPU: the knobs an H200 gets for this shape (GQA 32/8, d128, bf16), written out
   // here so that a CPU-only build (no CUDA headers) times the planner on the same work.
-  // Decode (cuda_decode_plan_config): 132 SMs x 2 CTAs, 64-row tiles, 128-key minimum split
-  // piece (512 in deterministic mode). Prefill (cuda_plan_config, sm90 kernels): one CTA per
+  // Decode (cuda_decode_plan_config): 132 SMs x 2 CTAs (x 4 for a heavy batch, core/tuning.hpp's
+  // batch rule: variant 4), 64-row tiles, 128-key minimum split piece (512 in deterministic
+  // mode). Prefill (cuda_plan_config, sm90 kernels): one CTA per
   // SM, 128-row tiles (2 consumer warpgroups), 4 x 128-key tiles minimum piece.
   PlanConfig h200_decode;
   h200_decode.q_tile_rows = 64;
@@ -458,8 +460,8 @@ int run_plan_bench(const BenchOptions& options) {
   std::cout << "tessera bench --suite plan: "
             << (gpu ? "plan_* for " + describe_device(device)
                     : std::string("detail::make_plan, no GPU: an H200's knobs (decode: 264 "
-                                  "workers, 64-row tiles, min chunk 128; prefill: 132 workers, "
-                                  "128-row tiles, min chunk 512)"))
+                                  "workers, 528 for a heavy batch, 64-row tiles, min chunk 128; "
+                                  "prefill: 132 workers, 128-row tiles, min chunk 512)"))
             << "\nhost: " << describe_device(Device{DeviceType::kCPU, 0})
             << "\nGQA 32/8, head_dim 128, page 16; microseconds per plan(), median of many calls\n";
   std::printf("\n%-44s %10s %10s %10s %8s %8s %8s\n", "case", "median us", "min us", "cpu us",
@@ -485,11 +487,15 @@ int run_plan_bench(const BenchOptions& options) {
     shape.head_dim = kHeadDim;
     shape.page_size = c.op == AttentionOp::kRaggedPrefill ? 0 : kPageSize;
     shape.options = attention;
+    PlanConfig cpu_config = c.op == AttentionOp::kDecode ? h200_decode : h200_prefill;
+    if (c.op == AttentionOp::kDecode &&
+        detail::is_heavy_decode_batch(static_cast<int64_t>(c.q_lens.size()), kKvHeads, kHeadDim,
+                                      132)) {
+      cpu_config.num_workers = 132 * 4;  // variant 4: 4 CTAs per SM
+      cpu_config.heavy_batch = true;
+    }
     const auto plan_once = [&]() -> Plan {
-      if (!gpu) {
-        return detail::make_plan(shape,
-                                 c.op == AttentionOp::kDecode ? h200_decode : h200_prefill);
-      }
+      if (!gpu) return detail::make_plan(shape, cpu_config);
       switch (c.op) {
         case AttentionOp::kRaggedPrefill:
           return plan_ragged_prefill(qo_indptr, kv_indptr, kQoHeads, kKvHeads, kHeadDim,
