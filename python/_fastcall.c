@@ -602,9 +602,9 @@ static PyObject* runner_call(PyObject* self, PyObject* args, PyObject* kwargs) {
   return runner_run((Runner*)self, args, 1, NULL);
 }
 
-/* time_c_call(runner, repeat, q, ..., lse): the runner's call with its C function called
+/* time_c_call(runner, repeat, q, ..., out, lse): the runner's call with its C function called
  * `repeat` times (benchmarks: the C ABI's cost inside this process, without the binding);
- * returns (status, nanoseconds per C call). */
+ * returns (status, nanoseconds per C call). out must be given. */
 static PyObject* py_time_c_call(PyObject* module, PyObject* args) {
   Py_ssize_t n = PyTuple_Size(args);
   if (n < 2) {
@@ -623,6 +623,12 @@ static PyObject* py_time_c_call(PyObject* module, PyObject* args) {
   }
   PyObject* rest = PyTuple_GetSlice(args, 2, n);
   if (rest == NULL) return NULL;
+  Py_ssize_t count = PyTuple_Size(rest);
+  if (count >= 2 && PyTuple_GetItem(rest, count - 2) == Py_None) {
+    Py_DECREF(rest); /* out=None would allocate and return a tensor, not a status */
+    PyErr_SetString(PyExc_ValueError, "time_c_call: pass out (the timed call writes into it)");
+    return NULL;
+  }
   double ns = -1.0;
   PyObject* status = runner_run((Runner*)runner, rest, repeat, &ns);
   Py_DECREF(rest);

@@ -523,26 +523,6 @@ def torch_stream_capturing(device_index: int) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
 
-def stream_capturing(obj: Any, tensor: DLTensor) -> bool:
-    """Whether the framework's current CUDA stream on the device of ``tensor`` (a descriptor of
-    ``obj``) is being captured into a CUDA graph: then the work lists of a plan must not be
-    uploaded with tessera_plan_upload (it refuses), run() copies them itself. False for host
-    memory; True when the framework cannot tell (torch and cupy can), the capture-safe answer."""
-    if tensor.device.device_type != kDLCUDA:
-        return False
-    kind = framework(obj)
-    index = tensor.device.device_id
-    if kind == "torch":
-        return torch_stream_capturing(index)
-    if kind == "cupy":
-        cupy = sys.modules["cupy"]
-        with cupy.cuda.Device(index):
-            stream = cupy.cuda.get_current_stream()
-            is_capturing = getattr(stream, "is_capturing", None)
-            return True if is_capturing is None else bool(is_capturing())
-    return True
-
-
 _DL_TO_NUMPY = {
     (kDLFloat, 32): "float32",
     (kDLFloat, 16): "float16",

@@ -82,6 +82,7 @@ from ._dlpack import (
     stream_of,
     to_dl,
     to_host_int32,
+    torch_stream_capturing,
     view,
 )
 
@@ -319,8 +320,7 @@ class _Wrapper:
     def _note_capture(self) -> None:
         if not self._use_cuda_graph or self._device[0] != kDLCUDA or self._plan_captured:
             return
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_current_stream_capturing():
+        if "torch" in sys.modules and torch_stream_capturing(self._device[1]):
             self._plan_captured = True
 
     def _scales(self, k_scale: Optional[float], v_scale: Optional[float]) -> None:
@@ -366,9 +366,11 @@ class _Wrapper:
         the call back (an argument it does not describe exactly; the ctypes path decides).
         `inputs` are the run's inputs in the C order, q first."""
         q = inputs[0]
-        if out is None and lse is None and not return_lse and type(q) is not np.ndarray:
+        if self._watch_capture:
+            self._note_capture()  # before any launch: a capture must keep this plan alive
+        if out is None and lse is None and not return_lse and _is_torch(q):
             # The extension allocates out itself (torch, through DLPack's exchange API) and
-            # returns it; anything else, or no allocator, comes back as -1 (allocated below).
+            # returns it; no allocator comes back as -1 (then allocated below).
             result = self._fast(*inputs, None, None)
             if type(result) is not int:
                 return result
@@ -380,8 +382,6 @@ class _Wrapper:
             o, o_lse = _fast_outputs(q, out, lse, return_lse)
         if o is None:
             return _NOT_SERVED
-        if self._watch_capture:
-            self._note_capture()
         status = self._fast(*inputs, o, o_lse)
         if not status:
             return (o, o_lse) if return_lse else o
@@ -533,6 +533,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
 
 
 _NOT_SERVED = object()  # _Wrapper._run_fast: the ctypes path must run the call
+
+
+def _is_torch(obj: Any) -> bool:
+    """A torch.Tensor or nn.Parameter (exact types: what the C fast path describes)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter)
 
 
 def _fast_outputs(q: ArrayLike, out: Optional[ArrayLike], lse: Optional[ArrayLike],

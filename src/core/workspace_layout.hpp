@@ -32,7 +32,7 @@ struct PlanHeader {
   int32_t num_workers = 0;
   int32_t reserved = 0;
   int64_t num_partial_rows = 0;
-  uint64_t generation = 0;  // of the upload (0: uploaded by run())
+  uint64_t generation = 0;  // of the upload (upload_plan's, or run()'s for a plan not resident)
 };
 
 struct WorkspaceLayout {

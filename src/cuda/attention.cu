@@ -148,8 +148,10 @@ class StagingPool {
   std::vector<std::unique_ptr<StagingBlock>> blocks_;
 };
 
-// Which upload each workspace holds last: upload_plan's generation, or 0 after run()'s own
-// upload. run() skips its upload only for a plan whose generation is still its workspace's.
+// Which upload each workspace holds last: the generation of an upload through pinned staging
+// (upload_plan's, or run()'s for a plan the workspace did not hold; no Plan records the latter,
+// the plan is const there), or 0 after run()'s pageable copies inside a capture (no header).
+// run() skips its upload only for a plan whose generation is still its workspace's.
 class UploadRegistry {
  public:
   static UploadRegistry& instance() {

@@ -762,5 +762,9 @@ def test_run_without_out_allocates_in_the_extension(rng):
         wrapper.run(q, paged, out=expected)
         assert torch.equal(result, expected)
         del result  # the allocated tensor is an ordinary torch tensor: freed with its last ref
+    before = stats()
     with pytest.raises(ValueError, match="'q'"):
         wrapper.run(q[:1], paged)  # fewer rows than the plan's: the C check refuses
+    after = stats()
+    # The extension ran the call (allocated, called C, freed the output on the error status).
+    assert after[0] == before[0] + 1 and after[1] == before[1]

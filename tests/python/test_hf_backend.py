@@ -29,7 +29,7 @@ def fresh_state(monkeypatch):
     """Each test starts without cached plans or workspaces (and leaves the module's as they
     were)."""
     monkeypatch.setattr(hf, "_PLANS", OrderedDict())
-    monkeypatch.setattr(hf, "_WORKSPACES", {})
+    monkeypatch.setattr(hf, "_WORKSPACES", OrderedDict())
     monkeypatch.setattr(hf, "_GRAPH_PLANS", [])
     torch.manual_seed(0)
 
@@ -147,7 +147,9 @@ def test_shared_workspace_uploads_once_per_plan(monkeypatch):
     assert other is not grown and uploads[-1][3] is None and len(uploads) == 6
     for stream in range(100, 100 + 2 * hf._MAX_WORKSPACES):
         hf._shared_workspace(torch, cpu, stream, first)
-    assert len(hf._WORKSPACES) <= hf._MAX_WORKSPACES
+        hf._shared_workspace(torch, cpu, 11, first)  # kept in use: never the one evicted
+    assert len(hf._WORKSPACES) == hf._MAX_WORKSPACES
+    assert hf._WORKSPACES[(0, 11)] is grown and (0, 0) not in hf._WORKSPACES
 
 
 def test_cpu_runs_do_not_share_a_workspace(monkeypatch):
@@ -168,7 +170,7 @@ def test_cpu_runs_do_not_share_a_workspace(monkeypatch):
     query, key, value = qkv(1, 4, 2, 1, 30, 32)
     for _layer in range(3):
         forward(query, key, value)
-    assert calls == [] and hf._WORKSPACES == {}
+    assert calls == [] and not hf._WORKSPACES
 
 
 # ---- CUDA -------------------------------------------------------------------------------------

@@ -323,3 +323,38 @@ def test_errors_are_value_errors(dtype):
         wrapper.plan(indptr, indices, last, 8, 1, 64, 16)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         tops.varlen_attention(q, k, v, cu([4]).long(), cu([4]))
+
+
+def test_cuda_graph_capture_of_run_without_out_keeps_the_plan(dtype):
+    """A capture of run() without out= (the output allocated by the C fast path, from the
+    graph's pool) still marks the plan captured, so the next plan() keeps it alive for the
+    graph's replays (which copy its lists from its host memory)."""
+    kv_lens = [7, 130, 1000, 33]
+    batch, heads, kv_heads, dim, page_size = len(kv_lens), 32, 8, 128, 16
+    k_cache, v_cache, table = paged_cache(kv_lens, page_size, kv_heads, dim, dtype)
+    seqlens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    indptr, indices, last = tessera.block_table_to_csr(table, seqlens, page_size)
+    wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE), use_cuda_graph=True)
+    wrapper.plan(indptr, indices, last, heads, kv_heads, dim, page_size)
+    q = torch.randn(batch, heads, dim, dtype=dtype, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        wrapper.run(q, (k_cache, v_cache))  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = wrapper.run(q, (k_cache, v_cache))
+    assert wrapper._plan_captured
+    captured = wrapper._plan
+    wrapper.plan(indptr, indices, last, heads, kv_heads, dim, page_size)  # a new plan
+    assert any(plan is captured for plan in wrapper._captured_plans)
+    eager = tessera.BatchDecodeWithPagedKVCacheWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device=DEVICE))
+    eager.plan(indptr, indices, last, heads, kv_heads, dim, page_size)
+    for _ in range(2):
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, eager.run(q, (k_cache, v_cache)), atol=0, rtol=0)

@@ -288,8 +288,9 @@ class _Workspace:
         self.uploaded: Optional[_DensePlan] = None
 
 
-_WORKSPACES: Dict[Tuple[int, int], _Workspace] = {}  # by (device index, stream)
-_MAX_WORKSPACES = 8  # streams with a workspace (all are dropped when one more comes)
+# By (device index, stream), least recently used first; at most _MAX_WORKSPACES are kept.
+_WORKSPACES: "OrderedDict[Tuple[int, int], _Workspace]" = OrderedDict()
+_MAX_WORKSPACES = 8
 _MIN_WORKSPACE_BYTES = 1 << 20
 
 
@@ -301,10 +302,12 @@ def _shared_workspace(torch: Any, device: Any, stream: int, entry: _DensePlan) -
     bookkeeping decides only whether runs launch kernels alone."""
     key = (device.index or 0, stream)
     workspace = _WORKSPACES.get(key)
+    if workspace is not None:
+        _WORKSPACES.move_to_end(key)
     needed = entry.plan.workspace_bytes
     if workspace is None or workspace.nbytes < needed:
         if workspace is None and len(_WORKSPACES) >= _MAX_WORKSPACES:
-            _WORKSPACES.clear()
+            _WORKSPACES.popitem(last=False)  # the least recently used stream's
         # A dropped buffer goes back to torch's caching allocator, which hands it out again only
         # in order on the stream it was allocated on (this one): safe while runs are in flight.
         capacity = max(_MIN_WORKSPACE_BYTES, 1 << max(needed - 1, 0).bit_length())
