@@ -362,32 +362,12 @@ class _Wrapper:
 
     def _run_fast(self, inputs: tuple, out: Optional[ArrayLike], lse: Optional[ArrayLike],
                   return_lse: bool) -> Any:
-        """run() through the C fast path: its result, or _NOT_SERVED when the fast path hands
+        """run() through the C fast path: its result, or NOT_SERVED when the fast path hands
         the call back (an argument it does not describe exactly; the ctypes path decides).
         `inputs` are the run's inputs in the C order, q first."""
-        q = inputs[0]
         if self._watch_capture:
             self._note_capture()  # before any launch: a capture must keep this plan alive
-        if out is None and lse is None and not return_lse and _is_torch(q):
-            # The extension allocates out itself (torch, through DLPack's exchange API) and
-            # returns it; no allocator comes back as -1 (then allocated below).
-            result = self._fast(*inputs, None, None)
-            if type(result) is not int:
-                return result
-            if result > 0:
-                check(result, _RUN_NAMES)
-        if out is not None and lse is None and not return_lse:
-            o, o_lse = out, None
-        else:
-            o, o_lse = _fast_outputs(q, out, lse, return_lse)
-        if o is None:
-            return _NOT_SERVED
-        status = self._fast(*inputs, o, o_lse)
-        if not status:
-            return (o, o_lse) if return_lse else o
-        if status > 0:
-            check(status, _RUN_NAMES)
-        return _NOT_SERVED  # -1
+        return fast_run(self._fast, inputs, out, lse, return_lse)
 
     def _nhd(self, tensor: DLTensor, name: str) -> DLTensor:
         """The NHD view of an HND k/v descriptor (cached per descriptor)."""
@@ -512,7 +492,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             self._scales(k_scale, v_scale)
         if self._fast is not None:
             result = self._run_fast((q, k, v), out, lse, return_lse)
-            if result is not _NOT_SERVED:
+            if result is not NOT_SERVED:
                 return result
         q_dl = cached_dl(q, "q")
         k_dl = cached_dl(k, "k")
@@ -532,7 +512,36 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         return (out, lse) if return_lse else out
 
 
-_NOT_SERVED = object()  # _Wrapper._run_fast: the ctypes path must run the call
+NOT_SERVED = object()  # fast_run: the ctypes path must run the call
+
+
+def fast_run(runner: Any, inputs: tuple, out: Optional[ArrayLike] = None,
+             lse: Optional[ArrayLike] = None, return_lse: bool = False) -> Any:
+    """One run() through a C fast-path runner (tessera._fast.runner): its result, or NOT_SERVED
+    when the runner hands the call back (an argument it does not describe exactly; the ctypes
+    path decides). `inputs` are the run's inputs in the C order, q first. Errors of the C run
+    raise here."""
+    q = inputs[0]
+    if out is None and lse is None and not return_lse and _is_torch(q):
+        # The extension allocates out itself (torch, through DLPack's exchange API) and
+        # returns it; no allocator comes back as -1 (then allocated below).
+        result = runner(*inputs, None, None)
+        if type(result) is not int:
+            return result
+        if result > 0:
+            check(result, _RUN_NAMES)
+    if out is not None and lse is None and not return_lse:
+        o, o_lse = out, None
+    else:
+        o, o_lse = _fast_outputs(q, out, lse, return_lse)
+    if o is None:
+        return NOT_SERVED
+    status = runner(*inputs, o, o_lse)
+    if not status:
+        return (o, o_lse) if return_lse else o
+    if status > 0:
+        check(status, _RUN_NAMES)
+    return NOT_SERVED  # -1
 
 
 def _is_torch(obj: Any) -> bool:
@@ -545,14 +554,12 @@ def _fast_outputs(q: ArrayLike, out: Optional[ArrayLike], lse: Optional[ArrayLik
                   return_lse: bool) -> Tuple[Optional[ArrayLike], Optional[ArrayLike]]:
     """run()'s outputs for the fast path, allocated as the ctypes path allocates them (out like
     q, lse float32 [rows, heads]), or (None, None) when q is not a numpy array / torch tensor."""
-    cls = type(q)
-    if cls is np.ndarray:
+    if type(q) is np.ndarray:
         kind = "numpy"
-    else:
-        torch = sys.modules.get("torch")
-        if torch is None or (cls is not torch.Tensor and cls is not torch.nn.Parameter):
-            return None, None
+    elif _is_torch(q):
         kind = "torch"
+    else:
+        return None, None
     if out is None:
         if kind == "numpy":
             out = np.empty(q.shape, q.dtype)
@@ -725,7 +732,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             self._scales(k_scale, v_scale)
         if self._fast is not None:
             result = self._run_fast((q, paged_kv_cache), out, lse, return_lse)
-            if result is not _NOT_SERVED:
+            if result is not NOT_SERVED:
                 return result
         q_dl = cached_dl(q, "q")
         kv = self._paged_kv(paged_kv_cache)
@@ -852,7 +859,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             self._scales(k_scale, v_scale)
         if self._fast is not None:
             result = self._run_fast((q, paged_kv_cache), out, lse, return_lse)
-            if result is not _NOT_SERVED:
+            if result is not NOT_SERVED:
                 return result
         q_dl = cached_dl(q, "q")
         kv = self._paged_kv(paged_kv_cache)

@@ -446,17 +446,21 @@ int run_plan_bench(const BenchOptions& options) {
   // batch rule: variant 4), 64-row tiles, 128-key minimum split piece (512 in deterministic
   // mode). Prefill (cuda_plan_config, sm90 kernels): one CTA per
   // SM, 128-row tiles (2 consumer warpgroups), 4 x 128-key tiles minimum piece.
+  constexpr int kH200Sms = 132;
+  constexpr int kDecodeCtasPerSm = 2;       // variant 1 (4 warps x 3 stages), d128 bf16
+  constexpr int kHeavyDecodeCtasPerSm = 4;  // variant 4 (2 warps x 3 stages)
+  constexpr int kPrefillKeyTile = 128;
   PlanConfig h200_decode;
   h200_decode.q_tile_rows = 64;
-  h200_decode.num_workers = 132 * 2;
+  h200_decode.num_workers = kH200Sms * kDecodeCtasPerSm;
   h200_decode.split_kv = true;
   h200_decode.min_kv_chunk = 128;
   h200_decode.deterministic_kv_chunk = 512;
   PlanConfig h200_prefill;
   h200_prefill.q_tile_rows = 128;
-  h200_prefill.num_workers = 132;
+  h200_prefill.num_workers = kH200Sms;
   h200_prefill.split_kv = true;
-  h200_prefill.min_kv_chunk = 4 * 128;
+  h200_prefill.min_kv_chunk = 4 * kPrefillKeyTile;
   std::cout << "tessera bench --suite plan: "
             << (gpu ? "plan_* for " + describe_device(device)
                     : std::string("detail::make_plan, no GPU: an H200's knobs (decode: 264 "
@@ -490,8 +494,8 @@ int run_plan_bench(const BenchOptions& options) {
     PlanConfig cpu_config = c.op == AttentionOp::kDecode ? h200_decode : h200_prefill;
     if (c.op == AttentionOp::kDecode &&
         detail::is_heavy_decode_batch(static_cast<int64_t>(c.q_lens.size()), kKvHeads, kHeadDim,
-                                      132)) {
-      cpu_config.num_workers = 132 * 4;  // variant 4: 4 CTAs per SM
+                                      kH200Sms)) {
+      cpu_config.num_workers = kH200Sms * kHeavyDecodeCtasPerSm;
       cpu_config.heavy_batch = true;
     }
     const auto plan_once = [&]() -> Plan {

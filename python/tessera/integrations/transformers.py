@@ -44,6 +44,7 @@ from .._capi import Plan, check, kDLCPU, kDLCUDA
 from .._common import attention_options, paged_kv, stream_arg
 from .._dlpack import to_dl, torch_stream, torch_stream_capturing
 from ..attention import varlen_attention
+from ..wrappers import NOT_SERVED, fast_run
 
 __all__ = ["register", "tessera_attention_forward", "ATTENTION_NAME"]
 
@@ -361,14 +362,12 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
         workspace, workspace_bytes = shared.buffer, shared.nbytes
         runner = _fast_runner(entry, shared, device_index)
         if runner is not None:
-            # The C fast path: the four tensors described and the C run called in one call.
-            out = torch.empty_like(q_rows, memory_format=torch.contiguous_format)
-            status = runner(q_rows, (key, value), out, None)
-            if status == 0:
-                return out.view(batch, seqlen_q, heads, dim)
-            if status > 0:
-                check(status)
-            # -1: not served (an argument the fast path does not describe): the ctypes path
+            # The C fast path, as the wrappers' run() takes it (tensors described, out allocated
+            # and the C run called in one call).
+            result = fast_run(runner, (q_rows, (key, value)))
+            if result is not NOT_SERVED:
+                return result.view(batch, seqlen_q, heads, dim)
+            # Not served (an argument the fast path does not describe): the ctypes path
     else:
         # CPU (runs may come from several threads at once), or a CUDA graph capture: a fresh
         # workspace (from the graph's pool when capturing) without an upload, so the captured
