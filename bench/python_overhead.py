@@ -185,7 +185,7 @@ def _torch_problem(torch, workspace_bytes: int, randn, suffix: str = ""):
         ragged_wrapper(shared)
         cases.append(("decode  run(out=), shared workspace" + suffix,
                       lambda: shared_decode.run(q, paged, out=out)))
-    return cases, (decode, q, k_cache, v_cache, paged, out, workspace)
+    return cases, (decode, q, k_cache, v_cache, paged, out, workspace, ragged, k, v)
 
 
 def torch_cases():
@@ -195,13 +195,13 @@ def torch_cases():
         return None, None, None
     if not torch.cuda.is_available() or tessera.cuda_device_count() < 1:
         return None, None, None
-    cases, (decode, q, k_cache, v_cache, paged, out, workspace) = _torch_problem(
+    cases, (decode, q, k_cache, v_cache, paged, out, workspace, ragged, k, v) = _torch_problem(
         torch, 128 << 20,
         lambda *shape: torch.randn(*shape, dtype=torch.float16, device="cuda"), "  torch cuda")
     floor = _ctypes_floor_torch(decode, q, k_cache, v_cache, out, workspace)
     if floor is not None:
         cases.append(("decode  ctypes floor  torch cuda", floor))
-    return cases, torch.cuda.synchronize, (decode, q, paged, out)
+    return cases, torch.cuda.synchronize, (decode, q, paged, out, ragged, k, v)
 
 
 def _ctypes_floor_torch(wrapper, q, k_cache, v_cache, out, workspace):
@@ -231,7 +231,7 @@ def breakdown(objects, calls: int, repeats: int) -> None:
     side stream."""
     import torch
     from tessera._dlpack import cached_dl
-    decode, q, paged, out = objects
+    decode, q, paged, out, ragged, k, v = objects
     raw = torch._C._cuda_getCurrentRawStream
     pieces = [
         ("q.data_ptr()", lambda: q.data_ptr()),
@@ -247,6 +247,7 @@ def breakdown(objects, calls: int, repeats: int) -> None:
         ("stream getter (raw)", lambda: raw(0)),
         ("wrapper._paged_kv(kv)", lambda: decode._paged_kv(paged)),
         ("empty python call", lambda: None),
+        ("torch.empty_like(q) (run()'s allocation)", lambda: torch.empty_like(q)),
     ]
     for name, call in pieces:
         print(f"  piece {name:42s} {best_us(call, calls, repeats):7.3f} us")
@@ -264,6 +265,20 @@ def breakdown(objects, calls: int, repeats: int) -> None:
         with torch.cuda.stream(torch.cuda.Stream()):
             c_us = c_call_us(decode, (q, paged, out, None), calls, repeats, sync)
         print(f"  piece {'C run_decode in this process, side stream':42s} {c_us:7.3f} us")
+    if ragged._fast is not None:  # the ragged run(): runner with and without out, bare C call
+        fast = ragged._fast
+        sync = torch.cuda.synchronize
+        for name, arguments in (("fast runner(q, k, v, out) (host)", (q, k, v, out, None)),
+                                ("fast runner(q, k, v, None) (host, allocates)",
+                                 (q, k, v, None, None))):
+            host = host_us(lambda: fast(*arguments), calls, repeats, sync)
+            print(f"  piece {name:42s} {host:7.3f} us")
+        for batch in (200, 20):
+            host = host_us(lambda: ragged.run(q, k, v), calls, repeats, sync, batch)
+            print(f"  piece {'ragged.run(q, k, v), batches of ' + str(batch):42s} {host:7.3f} us")
+        for batch in (200, 20):  # a short batch: whether 200 calls fill a queue
+            c_us = c_call_us(ragged, (q, k, v, out, None), calls, repeats, sync, batch)
+            print(f"  piece {'C run_ragged_prefill, batches of ' + str(batch):42s} {c_us:7.3f} us")
 
 
 def c_call_us(wrapper, arguments, calls: int, repeats: int,

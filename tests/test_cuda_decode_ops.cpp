@@ -522,10 +522,25 @@ TEST(CudaDecode, HeavyBatchesTakeTheSmallCtaVariant) {
                                c.num_qo_heads, c.num_kv_heads, c.head_dim, options_of(c), kGpu,
                                1, deterministic)
                        .config.heavy_batch);
+      // The plan records the variant its workers were sized for, and run() launches it: the
+      // 2-warp, 3-stage kernel for a heavy d128 batch, else the default 4-warp one (d256 has
+      // only the CUDA-core kernel).
+      EXPECT_EQ(plan.config.decode_variant,
+                expect_heavy ? detail::kHeavyBatchDecodeVariant : fixed.config.decode_variant);
+      const std::string variant_tag = head_dim > 128    ? "decode_kernel<"
+                                      : expect_heavy ? "warps 2, stages 3"
+                                                     : "warps 4, stages 3";
       const Outputs expected = run_reference(buffers);
       DeviceDecodeCase device(buffers);
       expect_close(buffers, run_public(buffers, device, plan), expected, "public plan");
+      EXPECT_NE(std::string(detail::cuda_last_decode_kernel()).find(variant_tag),
+                std::string::npos)
+          << detail::cuda_last_decode_kernel();
       expect_close(buffers, run_public(buffers, device, fixed), expected, "fixed capacity");
+      EXPECT_NE(std::string(detail::cuda_last_decode_kernel())
+                    .find(head_dim > 128 ? "decode_kernel<" : "warps 4, stages 3"),
+                std::string::npos)
+          << detail::cuda_last_decode_kernel();
     }
   }
 }

@@ -16,12 +16,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/cuda_graph_support.hpp"
@@ -534,6 +536,50 @@ TEST(CudaGraph, UploadedRunMatchesPlainRunAndStaleUploadsAreRedone) {
       }
     }
   }
+}
+
+// More uploads in flight than the pinned staging pool holds (the stream held back by a host
+// function while the host queues alternating uploads of two plans into one workspace): the
+// uploads beyond the pool go through pageable memory, the host never waits for the stream, and
+// the last run reads its own plan's lists.
+TEST(CudaGraph, UploadsBeyondTheStagingPoolGoThroughPageableMemory) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  using S = DecodeSetup;
+  DecodeSetup setup(base_seed() + 3);
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  setup.set_batch(random_decode_lengths(setup.rng, 1), s);
+  const int batch = static_cast<int>(setup.kv_lens.size());
+  const Plan plan = setup.plan(PlanCapacity{});
+  std::vector<int32_t> other_indptr, other_last;
+  paged_lengths({S::kMaxKv}, S::kPageSize, &other_indptr, &other_last);
+  const Plan other = plan_decode(other_indptr, other_last, S::kPageSize, S::kQoHeads, S::kKvHeads,
+                                 S::kHeadDim, {}, kGpu, 1);
+  DeviceBuffer workspace(std::max(plan.workspace_bytes, other.workspace_bytes));
+  const Workspace ws{workspace.data(), workspace.bytes()};
+  setup.poison(s);
+  run_decode(plan, setup.q_view(batch), setup.cache(batch), setup.o_view(batch),
+             setup.lse_view(batch), ws, s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  const std::vector<unsigned char> expected = setup.o.download<unsigned char>();
+
+  const uint64_t overflow_before = detail::cuda_staging_overflow_uploads();
+  const auto hold = [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); };
+  CUDA_OK(cudaLaunchHostFunc(s, hold, nullptr));
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < 80; ++i) {
+    Plan copy = other;
+    upload_plan(copy, ws, s);  // overwrites the lists: the run below uploads its own again
+    run_decode(plan, setup.q_view(batch), setup.cache(batch), setup.o_view(batch),
+               setup.lse_view(batch), ws, s);
+  }
+  const double queued_ms = std::chrono::duration<double, std::milli>(
+                               std::chrono::steady_clock::now() - start)
+                               .count();
+  CUDA_OK(cudaStreamSynchronize(s));
+  EXPECT_GT(detail::cuda_staging_overflow_uploads(), overflow_before);
+  EXPECT_LT(queued_ms, 250.0) << "the host waited for the held-back stream";
+  ASSERT_EQ(setup.o.download<unsigned char>(), expected);
 }
 
 TEST(CudaGraph, UploadDuringCaptureIsRefusedAndLegacyCaptureStillWorks) {

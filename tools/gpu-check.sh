@@ -16,7 +16,7 @@
 # TESSERA_SOAK_TIMEOUT seconds (default TESSERA_TIMEOUT); its output goes to tests.log.
 # TESSERA_EXTRA=1: host overheads, DRAM read ceilings, decode under the read flush, HF latency.
 # Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log,
-# ncu.log, extra.log, extra-decode-compare.json.
+# ncu.log, ncu-source.csv, extra.log, extra-decode-compare.json.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
@@ -139,6 +139,18 @@ if [ -n "${TESSERA_NCU:-}" ]; then
     "$build/tessera" bench --quiet --filter "$TESSERA_NCU" >"$out/ncu.log" 2>&1 || status=1
   grep -E "Duration|Throughput|Pipe|Issued|Stall|Warp Cycles|Eligible|Registers|Achieved" \
     "$out/ncu.log" | head -60
+  # TESSERA_NCU_SOURCE=1: the same launch with warp-stall sampling per SASS instruction
+  # (SourceCounters), printed as CSV into ncu-source.csv (which instruction the warps wait at).
+  if [ "${TESSERA_NCU_SOURCE:-0}" = 1 ]; then
+    timeout 600 ncu --clock-control none --kernel-name "regex:${TESSERA_NCU_KERNEL:-prefill_kernel}" \
+      --launch-skip 3 --launch-count 1 --section SourceCounters --section WarpStateStats \
+      --import-source no --export "$out/ncu-source" --force-overwrite \
+      "$build/tessera" bench --quiet --filter "$TESSERA_NCU" >>"$out/ncu.log" 2>&1 || status=1
+    ncu --import "$out/ncu-source.ncu-rep" --page source --csv --print-source sass \
+      >"$out/ncu-source.csv" 2>>"$out/ncu.log" || status=1
+    rm -f "$out/ncu-source.ncu-rep"
+    wc -l "$out/ncu-source.csv"
+  fi
 fi
 
 # 6. Optional (TESSERA_EXTRA=1): host overheads and ceilings, into extra.log. The C++ and Python

@@ -95,10 +95,14 @@ struct PlanConfig {
   // there (0: min_kv_chunk). Deterministic plans cut every long range into such pieces, so
   // their count, and a graph capacity's workspace, scale with kv_len / this.
   int32_t deterministic_kv_chunk = 0;
-  // CUDA decode: the batch has enough (request, kv head) tiles for the small-CTA kernel variant
-  // of the built-in default (decided at plan time, so run() launches the variant the worker
-  // count was sized for; never for plans with a fixed capacity).
+  // CUDA decode: the built-in default's batch rule chose the small-CTA kernel variant for this
+  // batch (enough (request, kv head) tiles; decided at plan time, never for plans with a fixed
+  // capacity).
   bool heavy_batch = false;
+  // CUDA decode: the kernel variant (core/tuning.hpp) num_workers was sized for, resolved for
+  // bf16 K/V (-1: not a CUDA decode plan). run() launches it unless the K/V dtype's own variant
+  // keeps the same number of resident CTAs per SM.
+  int32_t decode_variant = -1;
 };
 
 // Planning knobs that are not attention maths (so not AttentionOptions): the fixed capacity a

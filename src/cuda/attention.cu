@@ -86,15 +86,34 @@ class StagingPool {
   }
 
   // Copies `bytes` produced by `fill` to `device_dst` with one cudaMemcpyAsync on `stream`.
+  // With kMaxBlocksPerDevice uploads in flight on the device (the host far ahead of the GPU,
+  // e.g. many wrappers sharing one workspace), the image goes through pageable memory instead:
+  // the driver stages a pageable source before returning, so the host never waits for the GPU
+  // here.
   template <class Fill>
   void upload(int device, void* device_dst, size_t bytes, cudaStream_t stream, Fill&& fill) {
     std::lock_guard<std::mutex> lock(mutex_);
-    StagingBlock& block = acquire(device, bytes);
-    fill(block.host);
-    check_cuda(cudaMemcpyAsync(device_dst, block.host, bytes, cudaMemcpyHostToDevice, stream),
+    StagingBlock* block = acquire(device, bytes);
+    if (block == nullptr) {
+      overflow_.resize(std::max(overflow_.size(), bytes));
+      fill(overflow_.data());
+      check_cuda(
+          cudaMemcpyAsync(device_dst, overflow_.data(), bytes, cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync (upload_plan: pageable image -> workspace, staging pool full)");
+      ++overflow_uploads_;
+      return;
+    }
+    fill(block->host);
+    check_cuda(cudaMemcpyAsync(device_dst, block->host, bytes, cudaMemcpyHostToDevice, stream),
                "cudaMemcpyAsync (upload_plan: pinned staging -> workspace)");
-    check_cuda(cudaEventRecord(block.done, stream), "cudaEventRecord (upload_plan staging)");
-    block.recorded = true;
+    check_cuda(cudaEventRecord(block->done, stream), "cudaEventRecord (upload_plan staging)");
+    block->recorded = true;
+  }
+
+  // Uploads that went through pageable memory because the pool was full (tests).
+  uint64_t overflow_uploads() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return overflow_uploads_;
   }
 
  private:
@@ -116,23 +135,16 @@ class StagingPool {
     return false;
   }
 
-  StagingBlock& acquire(int device, size_t bytes) {
-    StagingBlock* oldest_fitting = nullptr;
+  // A free block of at least `bytes` on `device` (a new one while the device has fewer than
+  // kMaxBlocksPerDevice), or nullptr when the device is at the cap with none free.
+  StagingBlock* acquire(int device, size_t bytes) {
     size_t count = 0;
     for (auto& block : blocks_) {
       if (block->device != device) continue;
       ++count;
-      if (block->bytes < bytes) continue;
-      if (is_free(*block)) return *block;
-      if (oldest_fitting == nullptr) oldest_fitting = block.get();
+      if (block->bytes >= bytes && is_free(*block)) return block.get();
     }
-    if (count >= kMaxBlocksPerDevice && oldest_fitting != nullptr) {
-      // More uploads in flight than the cap: wait for the oldest that fits (rare).
-      check_cuda(cudaEventSynchronize(oldest_fitting->done),
-                 "cudaEventSynchronize (upload_plan staging)");
-      oldest_fitting->recorded = false;
-      return *oldest_fitting;
-    }
+    if (count >= kMaxBlocksPerDevice) return nullptr;
     auto block = std::make_unique<StagingBlock>();
     block->device = device;
     block->bytes = std::max(kMinBlockBytes, std::bit_ceil(bytes));
@@ -141,11 +153,13 @@ class StagingPool {
     check_cuda(cudaEventCreateWithFlags(&block->done, cudaEventDisableTiming),
                "cudaEventCreate (upload_plan staging)");
     blocks_.push_back(std::move(block));
-    return *blocks_.back();
+    return blocks_.back().get();
   }
 
   std::mutex mutex_;
   std::vector<std::unique_ptr<StagingBlock>> blocks_;
+  std::vector<unsigned char> overflow_;
+  uint64_t overflow_uploads_ = 0;
 };
 
 // Which upload each workspace holds last: the generation of an upload through pinned staging
@@ -351,6 +365,8 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
 }  // namespace
 
 const char* cuda_last_prefill_kernel() { return last_prefill_kernel().c_str(); }
+
+uint64_t cuda_staging_overflow_uploads() { return StagingPool::instance().overflow_uploads(); }
 
 uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
   if (plan.device.type != DeviceType::kCUDA) {

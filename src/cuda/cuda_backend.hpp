@@ -48,14 +48,18 @@ CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, in
                                           DType kv_dtype, const CudaDeviceInfo& info,
                                           int64_t batch = 0);
 
-// The name of the prefill kernel this thread launched last (tests check which family ran).
+// The name of the prefill / sm80 decode kernel this thread launched last (tests check which
+// kernel ran).
 const char* cuda_last_prefill_kernel();
+const char* cuda_last_decode_kernel();
 
 // Copies the plan's header and lists into the workspace (WorkspaceLayout) with one
 // cudaMemcpyAsync from a pinned staging buffer of a per-device pool; does not synchronise.
 // Returns the upload's generation (never 0), remembered per workspace pointer so that
 // cuda_run_attention can tell whether a plan's upload is still the workspace's latest.
 uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream);
+// Uploads that went through pageable memory because the staging pool was full (tests).
+uint64_t cuda_staging_overflow_uploads();
 
 // Attention: uploads the plan's lists into the workspace (WorkspaceLayout) unless the plan was
 // uploaded there by cuda_upload_plan and nothing has overwritten it since, and launches the

@@ -168,7 +168,8 @@ std::string decode_kernel_note(int num_qo_heads, int num_kv_heads, int head_dim,
                              head_dim, group);
   note += ". Decided at run time: fp8 K/V, items of more than 16 packed rows (group x query "
           "tokens per request) and K/V views not 16-byte aligned run the CUDA-core kernel; fp16 "
-          "K/V take the variant of the fp16 entry (the plan's chunk is the bf16 one)";
+          "K/V take the fp16 entry's variant when it keeps the planned CTAs per SM, else the "
+          "plan's (the plan's chunk is the bf16 one)";
   return note;
 }
 

@@ -128,14 +128,11 @@ const sm80::DecodeKernel* find_decode_kernel(int head_dim, DType q_dtype, DType 
   }
 }
 
-// The tensor-core kernel for items of `rows` packed rows of a GQA group of `group`, or nullptr
-// (variant 0, fp8 K/V, more rows than it holds, no instantiation).
-const sm80::DecodeKernel* find_decode_mma_kernel(const CudaDeviceInfo& info, int head_dim,
-                                                 DType q_dtype, DType kv_dtype, int group,
-                                                 int rows, bool heavy_batch) {
-  if (rows > 16 || q_dtype != kv_dtype) return nullptr;
-  const int variant = decode_tuning(info, head_dim, group, kv_dtype, heavy_batch).value.variant;
-  if (variant == 0) return nullptr;
+// The tensor-core kernel of `variant` for items of `rows` packed rows, or nullptr (variant 0,
+// fp8 K/V, more rows than it holds, no instantiation).
+const sm80::DecodeKernel* find_decode_mma_kernel(int head_dim, DType q_dtype, DType kv_dtype,
+                                                 int rows, int variant) {
+  if (rows > 16 || q_dtype != kv_dtype || variant == 0) return nullptr;
   const bool full_rows = rows > 8;
   switch (decode_head_dim_bucket(head_dim)) {
     case 64: return sm80::decode_mma_kernel_d64(q_dtype, kv_dtype, full_rows, variant);
@@ -150,6 +147,20 @@ const sm80::DecodeKernel* find_decode_mma_kernel(const CudaDeviceInfo& info, int
 // row passes).
 int rows_per_thread_for(int rows) {
   return rows <= 1 ? 1 : (rows == 2 ? 2 : 4);
+}
+
+// Resident CTAs per SM of the kernel serving items of `rows` packed rows with `variant` and
+// `dtype` K/V (= q): the tensor-core kernel, or the CUDA-core kernel where there is none (as
+// planned, with kPlanningRowsPerThread); 0 when neither can run.
+int decode_ctas_per_sm(const CudaDeviceInfo& info, int head_dim, DType dtype, int rows,
+                       int variant) {
+  const sm80::DecodeKernel* kernel = find_decode_mma_kernel(head_dim, dtype, dtype, rows, variant);
+  int ctas = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
+  if (ctas <= 0) {
+    kernel = find_decode_kernel(head_dim, dtype, dtype, kPlanningRowsPerThread);
+    ctas = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
+  }
+  return ctas;
 }
 
 const char* name_of(DType dtype) {
@@ -186,31 +197,47 @@ int32_t kv_copy_granularity(const KVSource& kv) {
   return granularity;
 }
 
+// The variant run() launches: the K/V dtype's own (its tuning entry; the plan resolved the
+// bf16 one), unless that one keeps a different number of resident CTAs per SM than the variant
+// the plan sized its workers for; then the plan's, so the grid is what the plan counted.
+int run_decode_variant(const Plan& plan, const CudaDeviceInfo& info,
+                       const AttentionProblem& problem, int group, int item_rows) {
+  const DType dtype = problem.kv.dtype;
+  const int variant =
+      decode_tuning(info, problem.head_dim, group, dtype, plan.config.heavy_batch).value.variant;
+  const int planned = plan.config.decode_variant;
+  if (planned < 0 || planned == variant || problem.q_dtype != dtype) return variant;
+  const int ctas = decode_ctas_per_sm(info, problem.head_dim, dtype, item_rows, variant);
+  return ctas == decode_ctas_per_sm(info, problem.head_dim, dtype, item_rows, planned) ? variant
+                                                                                         : planned;
+}
+
+thread_local const char* last_decode_kernel = "";
+
 [[noreturn]] void unsupported(const std::string& message) {
   throw Error(Error::Kind::kUnsupported, "run_decode: " + message);
 }
 
 }  // namespace
 
+const char* cuda_last_decode_kernel() { return last_decode_kernel; }
+
 PlanConfig cuda_decode_plan_config(int num_qo_heads, int num_kv_heads, int head_dim,
                                    const CudaDeviceInfo& info, int64_t batch) {
   PlanConfig config;
   const int group = num_kv_heads > 0 ? std::max(1, num_qo_heads / num_kv_heads) : 1;
   config.q_tile_rows = std::max(kDecodeTileRows, group);
-  config.heavy_batch = is_heavy_decode_batch(batch, num_kv_heads, head_dim, info.num_sms);
-  const sm80::DecodeKernel* kernel = find_decode_mma_kernel(
-      info, head_dim, DType::kBFloat16, DType::kBFloat16, group, group, config.heavy_batch);
-  int ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
-  if (ctas_per_sm <= 0) {
-    kernel =
-        find_decode_kernel(head_dim, DType::kBFloat16, DType::kBFloat16, kPlanningRowsPerThread);
-    ctas_per_sm = kernel != nullptr ? kernel->max_ctas_per_sm(info.device) : 0;
-  }
+  // plan() does not know the K/V dtype: the bf16 entry sizes the workers (run_decode_variant).
+  const ResolvedDecodeTuning tuning = decode_tuning(
+      info, head_dim, group, DType::kBFloat16,
+      is_heavy_decode_batch(batch, num_kv_heads, head_dim, info.num_sms));
+  config.heavy_batch = tuning.heavy_batch;
+  config.decode_variant = tuning.value.variant;
+  const int ctas_per_sm =
+      decode_ctas_per_sm(info, head_dim, DType::kBFloat16, group, tuning.value.variant);
   config.num_workers = std::max(1, info.num_sms) * std::max(1, ctas_per_sm);
   config.split_kv = true;
-  // plan() does not know the K/V dtype: the bf16 entry, as for the kernel above.
-  config.min_kv_chunk =
-      decode_tuning(info, head_dim, group, DType::kBFloat16, false).value.min_kv_chunk;
+  config.min_kv_chunk = tuning.value.min_kv_chunk;
   config.deterministic = false;
   config.deterministic_kv_chunk = kDecodeDeterministicKvChunk;
   return config;
@@ -224,7 +251,7 @@ CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, in
   const bool heavy_batch = is_heavy_decode_batch(batch, num_kv_heads, head_dim, info.num_sms);
   selection.tuning = decode_tuning(info, head_dim, group, kv_dtype, heavy_batch);
   const sm80::DecodeKernel* kernel =
-      find_decode_mma_kernel(info, head_dim, kv_dtype, kv_dtype, group, group, heavy_batch);
+      find_decode_mma_kernel(head_dim, kv_dtype, kv_dtype, group, selection.tuning.value.variant);
   if (kernel != nullptr && kernel->smem_bytes <= info.max_smem_per_block_optin) {
     selection.mma_kernel = kernel->name;
   } else if (kernel != nullptr) {
@@ -262,8 +289,8 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
   const int32_t copy_granularity = kv_copy_granularity(problem.kv);
   const sm80::DecodeKernel* kernel = nullptr;
   if (copy_granularity == 16) {
-    kernel = find_decode_mma_kernel(info, problem.head_dim, problem.q_dtype, problem.kv.dtype,
-                                    group, item_rows, plan.config.heavy_batch);
+    kernel = find_decode_mma_kernel(problem.head_dim, problem.q_dtype, problem.kv.dtype, item_rows,
+                                    run_decode_variant(plan, info, problem, group, item_rows));
     if (kernel != nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) kernel = nullptr;
   }
   // Only the tensor-core kernels merge split pieces themselves (finish_split_piece).
@@ -338,6 +365,7 @@ void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Wo
     }
   }
   kernel->launch(args, stream);
+  last_decode_kernel = kernel->name;
   if (merge_slots > 0 && !fused) {
     sm80::MergeArgs merge;
     merge.problem = problem;
