@@ -9,7 +9,9 @@
 //   gathered:    all 128 threads issue cp.async (zero-filling keys past the request), then
 //                cp.async.mbarrier.arrive.noinc - one arrival each when their copies land.
 // K of tile 0 goes out before Q (it does not wait for the previous tile's consumers), then Q
-// (once the consumers released the Q buffer), then V of tile 0, K of tile 1, and so on.
+// (once the consumers released the Q buffer), then K of tile 1, V of tile 0, K of tile 2, V of
+// tile 1, and so on: K one tile ahead of V, the order the consumers wait in (k_ahead; without
+// it V of tile 0 comes before K of tile 1).
 //
 // Paged caches: the page ids of the next kPageTableKeys keys are read into a shared table one
 // chunk ahead (all 128 threads, while the current chunk's copies are in flight), so no
@@ -107,38 +109,55 @@ class PrefillProducer {
   __device__ void produce_tile(const PrefillTile& tile, RingState& ring, int32_t& q_count) {
     const KVSource& kv = problem_.kv;
     constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
+    static_assert(kChunkTiles >= 2, "a chunk's table is published a tile before its first use");
     const int32_t page_base = kv.paged ? kv.page_indptr[tile.request] : 0;
     const int32_t kv_row_base = kv.paged ? 0 : kv.kv_indptr[tile.request];
+    const int n = tile.num_key_tiles;
     if (kv.paged) {
       // Every thread is done reading the previous tile's table before slot 0 is refilled.
       ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
       fill_page_table(tile, 0, page_base);
       ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
     }
-    for (int t = 0; t < tile.num_key_tiles; ++t) {
-      const int chunk = t / kChunkTiles;
-      const bool chunk_start = t % kChunkTiles == 0;
-      // Publishes the chunk filled during the previous one (and ends every thread's reads of
-      // the slot the next fill overwrites).
-      if (kv.paged && chunk_start && t > 0) {
-        ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
+    // K of key tile 0, Q, then (k_ahead = 1) K of tile t + 1 before V of tile t: the order the
+    // consumers wait in (they issue S(t+1) = Q K(t+1)^T before P(t) V(t)), so a K tile is never
+    // queued behind a V tile that is needed later, nor held back by the wait for that V tile's
+    // slot. k_ahead = 0 (TESSERA_SM90_K_AHEAD=0, for timing): K(t), V(t), K(t+1), ...
+    const int ahead = params_.k_ahead;
+    for (int t = -ahead; t < n; ++t) {
+      const int k_tile = t + ahead;
+      if (k_tile < n) {
+        // Publishes chunk k_tile / kChunkTiles before its first read (filled a chunk ago).
+        if (kv.paged && k_tile > 0 && k_tile % kChunkTiles == 0) {
+          ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
+        }
+        load_key_tile(tile, k_tile, kv_row_base, /*values=*/false, RingState{ring.count + k_tile});
+        if (k_tile == 0) load_q(tile, q_count++);
       }
-      const bool gathered = key_tile_is_gathered<Traits::kBlockN>(params_, tile, t);
-      const int stage = ring.stage<Traits::kStages>();
-      const uint32_t free_parity = ring.parity<Traits::kStages>() ^ 1;
-
-      ptx::mbarrier_wait(smem_.k_empty(stage), free_parity);
-      load_key_tile(tile, t, chunk, gathered, kv_row_base, /*values=*/false, smem_.k(stage),
-                    smem_.k_full(stage));
-      if (t == 0) load_q(tile, q_count++);
-      ptx::mbarrier_wait(smem_.v_empty(stage), free_parity);
-      load_key_tile(tile, t, chunk, gathered, kv_row_base, /*values=*/true, smem_.v(stage),
-                    smem_.v_full(stage));
-      ++ring.count;
-      if (kv.paged && chunk_start && (chunk + 1) * kChunkTiles < tile.num_key_tiles) {
+      if (t < 0) continue;
+      load_key_tile(tile, t, kv_row_base, /*values=*/true, RingState{ring.count + t});
+      const int chunk = t / kChunkTiles;
+      if (kv.paged && t % kChunkTiles == 0 && (chunk + 1) * kChunkTiles < n) {
+        // The next chunk goes into the slot of chunk - 1, whose last read (V of the tile before
+        // this one) every thread has issued once past this barrier.
+        if (t > 0) ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
         fill_page_table(tile, chunk + 1, page_base);
       }
     }
+    ring.count += n;
+  }
+
+  // K (values = false) or V of key tile t into the ring slot of position `at`, once the
+  // consumers have released that slot.
+  __device__ __forceinline__ void load_key_tile(const PrefillTile& tile, int t,
+                                                int32_t kv_row_base, bool values, RingState at) {
+    constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
+    const int stage = at.stage<Traits::kStages>();
+    const uint32_t free_parity = at.parity<Traits::kStages>() ^ 1;
+    ptx::mbarrier_wait(values ? smem_.v_empty(stage) : smem_.k_empty(stage), free_parity);
+    load_key_tile(tile, t, t / kChunkTiles, key_tile_is_gathered<Traits::kBlockN>(params_, tile, t),
+                  kv_row_base, values, values ? smem_.v(stage) : smem_.k(stage),
+                  values ? smem_.v_full(stage) : smem_.k_full(stage));
   }
 
   // Q of the tile: one 3-d box {64 columns, group heads, tokens_per_tile tokens} per column

@@ -34,6 +34,9 @@ struct alignas(128) PrefillParams {
   // default, TESSERA_SM90_BOX_LANES=1 times the single-thread issue side by side).
   int32_t kv_box_lanes = 32;
   int32_t o_tma = 0;  // 1: whole output tiles leave through a TMA store
+  // 1 (default): the producer loads K of key tile t + 1 before V of tile t; 0: K and V of
+  // tile t, then tile t + 1 (TESSERA_SM90_K_AHEAD=0, for timing).
+  int32_t k_ahead = 1;
 };
 
 // One CTA tile: tokens [token0, token0 + tokens) of a work item, all query heads of its kv head,
