@@ -139,6 +139,22 @@ TEST_F(Cli, TuneWithoutAGpuExitsWithAClearMessage) {
       << result.output;
 }
 
+TEST_F(Cli, TuneFilterMatchesWholeWords) {
+  // Checked before the device, so this runs the same with or without a GPU.
+  for (const char* filter : {"roup 4", "group 16", "d12", "bf1"}) {
+    const Result result =
+        run(std::string("tune --dry-run --filter \"") + filter + "\"", "CUDA_VISIBLE_DEVICES=-1");
+    EXPECT_NE(result.status, 0) << result.output;
+    EXPECT_NE(result.output.find("no tuned shape matches '" + std::string(filter) + "'"),
+              std::string::npos)
+        << filter << ": " << result.output;
+  }
+  // Whole words pass the filter and reach the device check.
+  const Result result = run("tune --dry-run --filter \"group 1 fp16\"", "CUDA_VISIBLE_DEVICES=-1");
+  EXPECT_NE(result.output.find("tune needs a CUDA device; none visible"), std::string::npos)
+      << result.output;
+}
+
 TEST_F(Cli, CheckRunsTheCorrectnessSweep) {
   const Result result = run("check --backend cpu --configs 20 --seed 5");
   ASSERT_EQ(result.status, 0) << result.output;

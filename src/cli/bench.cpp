@@ -70,11 +70,17 @@ void build_problem(BenchProblem& p, uint64_t seed) {
   const int64_t row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
   if (p.is_paged()) {
     p.num_pages = p.page_indptr.back();
-    // Pages in a shuffled order, as a serving engine's allocator hands them out.
+    // Pages in a shuffled order, as a serving engine's allocator hands them out
+    // (TESSERA_BENCH_PAGES=ordered keeps them in order, to tell the cost of scattered pages
+    // from that of small ones).
     p.page_indices.resize(p.num_pages);
     std::iota(p.page_indices.begin(), p.page_indices.end(), 0);
+    static const bool ordered = [] {
+      const char* pages = std::getenv("TESSERA_BENCH_PAGES");
+      return pages != nullptr && std::string(pages) == "ordered";
+    }();
     std::mt19937_64 rng(seed);
-    std::shuffle(p.page_indices.begin(), p.page_indices.end(), rng);
+    if (!ordered) std::shuffle(p.page_indices.begin(), p.page_indices.end(), rng);
     const size_t cache_bytes = p.num_pages * c.page_size * row * elem;
     p.k = Buffer(p.device, cache_bytes);
     p.v = Buffer(p.device, cache_bytes);

@@ -107,7 +107,8 @@ int main(int argc, char** argv) {
   tune_cmd->add_flag("--dry-run", tune.dry_run, "measure and print only, write nothing");
   tune_cmd->add_option("--iterations", tune.iterations, "timed runs per candidate and shape");
   tune_cmd->add_option("--filter", tune.filter,
-                       "only the shapes whose label contains this text, e.g. \"d64 group 8\" "
+                       "only the shapes whose label contains these whole words, e.g. "
+                       "\"d64 group 8\" "
                        "(labels: d<head_dim> group <g> <bf16|fp16>; other entries of the file "
                        "are kept)");
   tune_cmd->add_flag("!--quiet", tune.progress, "no progress lines");

@@ -19,11 +19,7 @@
 #endif
 
 namespace tessera::cli {
-#if defined(TESSERA_HAVE_CUDA)
 namespace {
-
-using detail::DecodeTuning;
-using detail::DecodeTuningKey;
 
 // The grid tuned: GQA groups over 8 kv heads, head_dims, K/V dtypes (q has the K/V dtype),
 // 16-token pages, one query token per request.
@@ -32,6 +28,57 @@ constexpr int kPageSize = 16;
 constexpr int kHeadDims[] = {128, 64};
 constexpr int kGroups[] = {1, 4, 8};
 constexpr DType kKvDtypes[] = {DType::kBFloat16, DType::kFloat16};
+
+// One (head_dim, group, K/V dtype) of the grid and its label, "d128 group 4 bf16".
+struct GridShape {
+  int head_dim, group;
+  DType kv_dtype;
+  std::string label;
+};
+
+// The grid's shapes whose label holds `filter` as whole words ("group 1" is not "group 16");
+// every shape when it is empty. Throws kInvalidArgument when none does.
+std::vector<GridShape> select_shapes(const std::string& filter) {
+  const auto words_match = [&](const std::string& label) {
+    for (size_t at = label.find(filter); at != std::string::npos;
+         at = label.find(filter, at + 1)) {
+      const size_t end = at + filter.size();
+      if ((at == 0 || label[at - 1] == ' ') && (end == label.size() || label[end] == ' ')) {
+        return true;
+      }
+    }
+    return false;
+  };
+  std::vector<GridShape> shapes;
+  for (int head_dim : kHeadDims) {
+    for (DType kv_dtype : kKvDtypes) {
+      for (int group : kGroups) {
+        // Appended piece by piece: g++ 12 -O3 warns (-Wrestrict, a false positive) on the chain
+        // of operator+ here.
+        std::string label = "d";
+        label.append(std::to_string(head_dim)).append(" group ").append(std::to_string(group));
+        label.append(" ").append(detail::tuning_dtype_name(kv_dtype));
+        if (filter.empty() || words_match(label)) {
+          shapes.push_back({head_dim, group, kv_dtype, std::move(label)});
+        }
+      }
+    }
+  }
+  if (shapes.empty()) {
+    throw Error(Error::Kind::kInvalidArgument,
+                "--filter: no tuned shape matches '" + filter +
+                    "' as whole words (labels look like \"d128 group 4 bf16\")");
+  }
+  return shapes;
+}
+
+}  // namespace
+
+#if defined(TESSERA_HAVE_CUDA)
+namespace {
+
+using detail::DecodeTuning;
+using detail::DecodeTuningKey;
 
 // The candidates: every kernel family x every minimum split chunk.
 constexpr int kVariants[] = {0, 1, 2, 3, 4, 5};
@@ -270,6 +317,7 @@ void warn_about_environment() {
 #endif  // TESSERA_HAVE_CUDA
 
 int run_tune(const TuneOptions& options) {
+  (void)select_shapes(options.filter);  // a bad --filter is reported with or without a GPU
 #if !defined(TESSERA_HAVE_CUDA)
   std::cerr << "tessera tune: tune needs a CUDA device; none visible (this build of tessera has "
                "no CUDA backend)\n";
@@ -304,30 +352,9 @@ int run_tune(const TuneOptions& options) {
             << options.iterations << " timed runs per point (median, L2 flushed); each "
             << "candidate checked against the reference; chosen: best geometric mean of TB/s\n";
 
-  struct Shape {
-    int head_dim, group;
-    DType kv_dtype;
-    std::string label;
-  };
-  std::vector<Shape> shapes;
-  for (int head_dim : kHeadDims) {
-    for (DType kv_dtype : kKvDtypes) {
-      for (int group : kGroups) {
-        std::string label = "d" + std::to_string(head_dim) + " group " + std::to_string(group) +
-                            " " + detail::tuning_dtype_name(kv_dtype);
-        if (options.filter.empty() || label.find(options.filter) != std::string::npos) {
-          shapes.push_back({head_dim, group, kv_dtype, std::move(label)});
-        }
-      }
-    }
-  }
-  if (shapes.empty()) {
-    throw Error(Error::Kind::kInvalidArgument,
-                "--filter: no tuned shape matches '" + options.filter +
-                    "' (labels look like \"d128 group 4 bf16\")");
-  }
+  const std::vector<GridShape> shapes = select_shapes(options.filter);
   std::vector<TuneConfig> configs;
-  for (const Shape& shape : shapes) {
+  for (const GridShape& shape : shapes) {
     const std::string prefix = "[" + std::to_string(configs.size() + 1) + "/" +
                                std::to_string(shapes.size()) + "] " + shape.label;
     configs.push_back(

@@ -13,6 +13,7 @@ struct TuneOptions {
   bool dry_run = false;  // measure and print, write nothing
   int iterations = 10;   // timed runs per (candidate, batch shape)
   std::string filter;    // non-empty: only the shapes whose label ("d128 group 4 bf16") has it
+                         // as whole words
   bool progress = true;
 };
 
