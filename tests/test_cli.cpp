@@ -149,10 +149,13 @@ TEST_F(Cli, TuneFilterMatchesWholeWords) {
               std::string::npos)
         << filter << ": " << result.output;
   }
-  // Whole words pass the filter and reach the device check.
-  const Result result = run("tune --dry-run --filter \"group 1 fp16\"", "CUDA_VISIBLE_DEVICES=-1");
-  EXPECT_NE(result.output.find("tune needs a CUDA device; none visible"), std::string::npos)
-      << result.output;
+  // Whole words (surrounding spaces ignored) pass the filter and reach the device check.
+  for (const char* filter : {"group 1 fp16", " d64 "}) {
+    const Result result = run(std::string("tune --dry-run --filter \"") + filter + "\"",
+                              "CUDA_VISIBLE_DEVICES=-1");
+    EXPECT_NE(result.output.find("tune needs a CUDA device; none visible"), std::string::npos)
+        << filter << ": " << result.output;
+  }
 }
 
 TEST_F(Cli, CheckRunsTheCorrectnessSweep) {

@@ -21,10 +21,8 @@
 namespace tessera::cli {
 namespace {
 
-// The grid tuned: GQA groups over 8 kv heads, head_dims, K/V dtypes (q has the K/V dtype),
-// 16-token pages, one query token per request.
-constexpr int kNumKvHeads = 8;
-constexpr int kPageSize = 16;
+// The grid tuned: GQA groups over kNumKvHeads kv heads (below), head_dims, K/V dtypes (q has
+// the K/V dtype), kPageSize-token pages, one query token per request.
 constexpr int kHeadDims[] = {128, 64};
 constexpr int kGroups[] = {1, 4, 8};
 constexpr DType kKvDtypes[] = {DType::kBFloat16, DType::kFloat16};
@@ -37,8 +35,11 @@ struct GridShape {
 };
 
 // The grid's shapes whose label holds `filter` as whole words ("group 1" is not "group 16");
-// every shape when it is empty. Throws kInvalidArgument when none does.
-std::vector<GridShape> select_shapes(const std::string& filter) {
+// every shape when it is empty (or only spaces). Throws kInvalidArgument when none does.
+std::vector<GridShape> select_shapes(std::string filter) {
+  // Surrounding spaces are not part of a word ("d64 " is "d64").
+  filter.erase(0, filter.find_first_not_of(' '));
+  filter.erase(filter.find_last_not_of(' ') + 1);
   const auto words_match = [&](const std::string& label) {
     for (size_t at = label.find(filter); at != std::string::npos;
          at = label.find(filter, at + 1)) {
@@ -79,6 +80,9 @@ namespace {
 
 using detail::DecodeTuning;
 using detail::DecodeTuningKey;
+
+constexpr int kNumKvHeads = 8;
+constexpr int kPageSize = 16;
 
 // The candidates: every kernel family x every minimum split chunk.
 constexpr int kVariants[] = {0, 1, 2, 3, 4, 5};

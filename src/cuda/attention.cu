@@ -67,8 +67,8 @@ bool stream_is_capturing(cudaStream_t stream) {
 
 // ---- pinned staging for upload_plan ----
 // Blocks of pinned host memory, each with an event recorded after the copy that reads it; a
-// block is reused only once its event has completed (polled, never waited for, unless the pool
-// is at its cap). Blocks live until the process ends (the pool is leaked on purpose: no CUDA
+// block is reused only once its event has completed (polled, never waited for; with the cap of
+// blocks in flight reached, an upload goes through pageable memory instead). Blocks live until the process ends (the pool is leaked on purpose: no CUDA
 // calls from static destructors).
 struct StagingBlock {
   int device = 0;
@@ -87,9 +87,12 @@ class StagingPool {
 
   // Copies `bytes` produced by `fill` to `device_dst` with one cudaMemcpyAsync on `stream`.
   // With kMaxBlocksPerDevice uploads in flight on the device (the host far ahead of the GPU,
-  // e.g. many wrappers sharing one workspace), the image goes through pageable memory instead:
-  // the driver stages a pageable source before returning, so the host never waits for the GPU
-  // here.
+  // e.g. many wrappers sharing one workspace), the image goes through pageable memory instead.
+  // The driver has read a pageable source when cudaMemcpyAsync returns (it stages it into its
+  // own pinned memory, or copies synchronously), so the buffer is reused at once. The CUDA
+  // documentation allows that call to wait for the stream; the H200 host's driver did not
+  // (CudaGraph.UploadsBeyondTheStagingPoolGoThroughPageableMemory), where the pool used to wait
+  // for its oldest upload every time.
   template <class Fill>
   void upload(int device, void* device_dst, size_t bytes, cudaStream_t stream, Fill&& fill) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -135,16 +138,20 @@ class StagingPool {
     return false;
   }
 
-  // A free block of at least `bytes` on `device` (a new one while the device has fewer than
-  // kMaxBlocksPerDevice), or nullptr when the device is at the cap with none free.
+  // A free block of at least `bytes` on `device`, else a new one while fewer than
+  // kMaxBlocksPerDevice of the device's blocks are in flight; nullptr when that many are (free
+  // blocks too small for this image do not count: they never make a large image pageable).
   StagingBlock* acquire(int device, size_t bytes) {
-    size_t count = 0;
+    size_t in_flight = 0;
     for (auto& block : blocks_) {
       if (block->device != device) continue;
-      ++count;
-      if (block->bytes >= bytes && is_free(*block)) return block.get();
+      if (!is_free(*block)) {
+        ++in_flight;
+      } else if (block->bytes >= bytes) {
+        return block.get();
+      }
     }
-    if (count >= kMaxBlocksPerDevice) return nullptr;
+    if (in_flight >= kMaxBlocksPerDevice) return nullptr;
     auto block = std::make_unique<StagingBlock>();
     block->device = device;
     block->bytes = std::max(kMinBlockBytes, std::bit_ceil(bytes));

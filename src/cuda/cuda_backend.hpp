@@ -48,8 +48,8 @@ CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, in
                                           DType kv_dtype, const CudaDeviceInfo& info,
                                           int64_t batch = 0);
 
-// The name of the prefill / sm80 decode kernel this thread launched last (tests check which
-// kernel ran).
+// The name of the prefill kernel this thread launched last, and of the sm80 decode kernel its
+// last sm80 decode run launched ("" when that run launched none) - tests check which ran.
 const char* cuda_last_prefill_kernel();
 const char* cuda_last_decode_kernel();
 

@@ -275,6 +275,7 @@ CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, in
 
 void cuda_decode_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
                            void* stream, bool header_uploaded) {
+  last_decode_kernel = "";
   // Nothing to attend. A fixed-capacity plan launches anyway: a graph captured with it must
   // serve later plans of that capacity (an empty worker range is a no-op).
   if (plan.worker_indptr.size() < 2 || (plan.work.empty() && !plan.capacity.fixed())) return;
