@@ -346,6 +346,14 @@ struct DecodeSetup {
                        1, capacity);
   }
 
+  // A plan of another batch, one request of kMaxKv keys (to overwrite a workspace's lists).
+  static Plan other_plan(const PlanCapacity& capacity) {
+    std::vector<int32_t> indptr, last;
+    paged_lengths({kMaxKv}, kPageSize, &indptr, &last);
+    return plan_decode(indptr, last, kPageSize, kQoHeads, kKvHeads, kHeadDim, {}, kGpu, 1,
+                       capacity);
+  }
+
   // Views for `batch` requests (the graph is captured with kMaxBatch).
   TensorView q_view(int batch) const {
     return test::gpu_view(q, DType::kFloat16, {batch, kQoHeads, kHeadDim},
@@ -522,10 +530,7 @@ TEST(CudaGraph, UploadedRunMatchesPlainRunAndStaleUploadsAreRedone) {
       // Stale: another plan (a one-request batch) uploaded into the workspace since; run with
       // the first plan must upload again rather than use the other plan's lists.
       if (fixed) {
-        std::vector<int32_t> other_indptr, other_last;
-        paged_lengths({S::kMaxKv}, S::kPageSize, &other_indptr, &other_last);
-        Plan other = plan_decode(other_indptr, other_last, S::kPageSize, S::kQoHeads,
-                                 S::kKvHeads, S::kHeadDim, {}, kGpu, 1, capacity);
+        Plan other = S::other_plan(capacity);
         upload_plan(other, ws, s);
         setup.poison(s);
         run_decode(uploaded, setup.q_view(batch), setup.cache(batch), setup.o_view(batch),
@@ -551,10 +556,7 @@ TEST(CudaGraph, UploadsBeyondTheStagingPoolGoThroughPageableMemory) {
   setup.set_batch(random_decode_lengths(setup.rng, 1), s);
   const int batch = static_cast<int>(setup.kv_lens.size());
   const Plan plan = setup.plan(PlanCapacity{});
-  std::vector<int32_t> other_indptr, other_last;
-  paged_lengths({S::kMaxKv}, S::kPageSize, &other_indptr, &other_last);
-  const Plan other = plan_decode(other_indptr, other_last, S::kPageSize, S::kQoHeads, S::kKvHeads,
-                                 S::kHeadDim, {}, kGpu, 1);
+  const Plan other = S::other_plan(PlanCapacity{});
   DeviceBuffer workspace(std::max(plan.workspace_bytes, other.workspace_bytes));
   const Workspace ws{workspace.data(), workspace.bytes()};
   setup.poison(s);

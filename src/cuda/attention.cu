@@ -68,8 +68,8 @@ bool stream_is_capturing(cudaStream_t stream) {
 // ---- pinned staging for upload_plan ----
 // Blocks of pinned host memory, each with an event recorded after the copy that reads it; a
 // block is reused only once its event has completed (polled, never waited for; with the cap of
-// blocks in flight reached, an upload goes through pageable memory instead). Blocks live until the process ends (the pool is leaked on purpose: no CUDA
-// calls from static destructors).
+// blocks in flight reached, an upload goes through pageable memory instead). Blocks live until
+// the process ends (the pool is leaked on purpose: no CUDA calls from static destructors).
 struct StagingBlock {
   int device = 0;
   void* host = nullptr;
@@ -375,6 +375,24 @@ const char* cuda_last_prefill_kernel() { return last_prefill_kernel().c_str(); }
 
 uint64_t cuda_staging_overflow_uploads() { return StagingPool::instance().overflow_uploads(); }
 
+namespace {
+
+// The plan's header and lists into the workspace as one image through the staging pool, under
+// a new generation that the registry then records for the workspace; returns the generation.
+uint64_t upload_image(const Plan& plan, const WorkspaceLayout& layout, Workspace workspace,
+                      cudaStream_t stream) {
+  UploadRegistry& registry = UploadRegistry::instance();
+  const uint64_t generation = registry.next_generation();
+  StagingPool::instance().upload(
+      plan.device.index, static_cast<unsigned char*>(workspace.data) + layout.header,
+      layout.upload_bytes(plan), stream,
+      [&](void* image) { layout.write_upload_image(plan, generation, image); });
+  registry.set(workspace.data, generation);
+  return generation;
+}
+
+}  // namespace
+
 uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
   if (plan.device.type != DeviceType::kCUDA) {
     throw Error(Error::Kind::kInvalidArgument,
@@ -390,14 +408,7 @@ uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
                 "upload_plan: the stream is being captured into a CUDA graph; upload plans "
                 "outside the capture (before it, and before each replay)");
   }
-  UploadRegistry& registry = UploadRegistry::instance();
-  const uint64_t generation = registry.next_generation();
-  auto* base = static_cast<unsigned char*>(workspace.data);
-  StagingPool::instance().upload(
-      plan.device.index, base + layout.header, layout.upload_bytes(plan), cuda_stream,
-      [&](void* image) { layout.write_upload_image(plan, generation, image); });
-  registry.set(workspace.data, generation);
-  return generation;
+  return upload_image(plan, layout, workspace, cuda_stream);
 }
 
 void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
@@ -420,11 +431,7 @@ void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Works
     // the lists go in as upload_plan sends them, one copy from pinned staging (the pageable
     // copies below cost about 1 us of host time each). The plan is const here, so its next
     // run() uploads again unless upload_plan is called.
-    const uint64_t generation = registry.next_generation();
-    StagingPool::instance().upload(
-        plan.device.index, base + layout.header, layout.upload_bytes(plan), cuda_stream,
-        [&](void* image) { layout.write_upload_image(plan, generation, image); });
-    registry.set(workspace.data, generation);
+    upload_image(plan, layout, workspace, cuda_stream);
     uploaded = true;
   } else if (!uploaded) {
     // Inside a CUDA-graph capture, the behaviour from before upload_plan: the lists go from the

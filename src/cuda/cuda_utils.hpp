@@ -1,5 +1,6 @@
 // Small host helpers shared by the CUDA backend: error checks that throw tessera::Error with the
-// failing call or kernel named, and a scoped current-device switch.
+// failing call or kernel named, a scoped current-device switch, and the on/off switches of the
+// environment.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,11 +8,19 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "tessera/types.hpp"
 
 namespace tessera::detail {
+
+// A switch that is on unless the environment variable `name` is "0" (the kernels' timing knobs,
+// e.g. TESSERA_DECODE_PREFETCH; callers read it once).
+inline bool on_unless_zero(const char* name) {
+  const char* text = std::getenv(name);
+  return text == nullptr || std::string(text) != "0";
+}
 
 inline std::string cuda_error_text(cudaError_t status) {
   return std::string(cudaGetErrorName(status)) + " (" + cudaGetErrorString(status) + ")";

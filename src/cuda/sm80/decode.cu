@@ -90,12 +90,6 @@ ResolvedDecodeTuning decode_tuning(const CudaDeviceInfo& info, int head_dim, int
       heavy_batch);
 }
 
-// A switch that is on unless the environment variable `name` is "0".
-bool on_unless_zero(const char* name) {
-  const char* text = std::getenv(name);
-  return text == nullptr || std::string(text) != "0";
-}
-
 // Split-KV pieces merged inside the decode kernel (default), or by the separate merge kernel
 // (TESSERA_DECODE_FUSED_MERGE=0, kept to time the two side by side). Read once.
 bool fused_decode_merge() {

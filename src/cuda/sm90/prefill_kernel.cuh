@@ -166,11 +166,8 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   // K one tile ahead of V (the consumers' order). TESSERA_SM90_K_AHEAD=0 restores K(t), V(t)
   // to time the two side by side (docs/PERF.md, 2026-12-03 night: page 64 0.89x -> 0.93x of
   // ragged, page 16 and ragged unchanged).
-  static const int32_t k_ahead = [] {
-    const char* text = std::getenv("TESSERA_SM90_K_AHEAD");
-    return text != nullptr && std::string(text) == "0" ? 0 : 1;
-  }();
-  params->k_ahead = k_ahead;
+  static const bool k_ahead = on_unless_zero("TESSERA_SM90_K_AHEAD");
+  params->k_ahead = k_ahead ? 1 : 0;
   return true;
 }
 

@@ -106,10 +106,12 @@ class PrefillProducer {
   }
 
  private:
+  // Key tiles per page-table chunk (one slot of the double-buffered table).
+  static constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
+  static_assert(kChunkTiles >= 2, "a chunk's table is published a tile before its first use");
+
   __device__ void produce_tile(const PrefillTile& tile, RingState& ring, int32_t& q_count) {
     const KVSource& kv = problem_.kv;
-    constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
-    static_assert(kChunkTiles >= 2, "a chunk's table is published a tile before its first use");
     const int32_t page_base = kv.paged ? kv.page_indptr[tile.request] : 0;
     const int32_t kv_row_base = kv.paged ? 0 : kv.kv_indptr[tile.request];
     const int n = tile.num_key_tiles;
@@ -131,11 +133,11 @@ class PrefillProducer {
         if (kv.paged && k_tile > 0 && k_tile % kChunkTiles == 0) {
           ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
         }
-        load_key_tile(tile, k_tile, kv_row_base, /*values=*/false, RingState{ring.count + k_tile});
+        load_ring_slot(tile, k_tile, kv_row_base, /*values=*/false, RingState{ring.count + k_tile});
         if (k_tile == 0) load_q(tile, q_count++);
       }
       if (t < 0) continue;
-      load_key_tile(tile, t, kv_row_base, /*values=*/true, RingState{ring.count + t});
+      load_ring_slot(tile, t, kv_row_base, /*values=*/true, RingState{ring.count + t});
       const int chunk = t / kChunkTiles;
       if (kv.paged && t % kChunkTiles == 0 && (chunk + 1) * kChunkTiles < n) {
         // The next chunk goes into the slot of chunk - 1, whose last read (V of the tile before
@@ -149,9 +151,8 @@ class PrefillProducer {
 
   // K (values = false) or V of key tile t into the ring slot of position `at`, once the
   // consumers have released that slot.
-  __device__ __forceinline__ void load_key_tile(const PrefillTile& tile, int t,
-                                                int32_t kv_row_base, bool values, RingState at) {
-    constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
+  __device__ __forceinline__ void load_ring_slot(const PrefillTile& tile, int t,
+                                                 int32_t kv_row_base, bool values, RingState at) {
     const int stage = at.stage<Traits::kStages>();
     const uint32_t free_parity = at.parity<Traits::kStages>() ^ 1;
     ptx::mbarrier_wait(values ? smem_.v_empty(stage) : smem_.k_empty(stage), free_parity);
