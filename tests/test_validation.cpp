@@ -665,6 +665,14 @@ TEST_F(ValidationTest, RopeKeyHeadDimDiffers) {
   expect_invalid([&] { rope(); }, "k");
 }
 
+TEST_F(ValidationTest, RopeHeadsOrHeadDimBeyondLimit) {
+  // No token, so nothing would be read; the kernels index heads and features in 32 bits.
+  q = make_view(out.q.data(), DType::kFloat32, {0, kQoHeads, int64_t{1} << 32});
+  expect_invalid([&] { rope(); }, "q");
+  q = make_view(out.q.data(), DType::kFloat32, {0, 65537, kHeadDim});
+  expect_invalid([&] { rope(); }, "q");
+}
+
 TEST_F(ValidationTest, RopeThetaNotPositive) {
   RopeOptions options;
   options.rope_theta = 0.0f;
@@ -695,6 +703,12 @@ TEST_F(ValidationTest, AppendCacheHeadsDiffer) {
   k_new = make_view(k_new_data.data(), DType::kFloat32, {kAppendRows, 1, 2 * kHeadDim});
   v_new = make_view(v_new_data.data(), DType::kFloat32, {kAppendRows, 1, 2 * kHeadDim});
   expect_invalid([&] { append(); }, "k_cache");
+}
+
+TEST_F(ValidationTest, AppendHeadDimBeyondLimit) {
+  k_new = make_view(k_new_data.data(), DType::kFloat32, {0, kKvHeads, 4100});
+  v_new = make_view(v_new_data.data(), DType::kFloat32, {0, kKvHeads, 4100});
+  expect_invalid([&] { append(); }, "k_new");
 }
 
 TEST_F(ValidationTest, AppendPageIndexOutOfRange) {
@@ -736,6 +750,14 @@ TEST_F(ValidationTest, BlockTablePageIndptrWrongLength) {
   expect_invalid([&] { to_csr(); }, "page_indptr");
 }
 
+TEST_F(ValidationTest, BlockTableWiderThanInt32) {
+  block_table = make_view(block_table_values.data(), DType::kInt32, {0, int64_t{1} << 31});
+  seq_lens = make_view(seq_lens_values.data(), DType::kInt32, {0});
+  csr_indptr = make_view(out.csr_indptr.data(), DType::kInt32, {1});
+  csr_last = make_view(out.csr_last.data(), DType::kInt32, {0});
+  expect_invalid([&] { to_csr(); }, "block_table");
+}
+
 TEST_F(ValidationTest, BlockTablePageSizeZero) {
   expect_invalid(
       [&] { block_table_to_csr(block_table, seq_lens, 0, csr_indptr, csr_indices, csr_last); },
@@ -767,6 +789,22 @@ TEST_F(ValidationTest, MergeStatesIndptrBeyondStates) {
 TEST_F(ValidationTest, MergeStatesIndptrNotMonotone) {
   states_indptr_values = {0, 2, 1};
   expect_invalid([&] { merge_many(); }, "indptr");
+}
+
+TEST_F(ValidationTest, MergeHeadDimBeyondLimit) {
+  // Zero rows: no element is touched, yet a head_dim past 4096 (the fuzzer found 2^34, which
+  // made the CPU merge allocate 128 GiB) is refused for every operand.
+  o_a = make_view(merge_a.data(), DType::kFloat32, {0, 1, int64_t{1} << 34});
+  o_b = make_view(merge_b.data(), DType::kFloat32, {0, 1, int64_t{1} << 34});
+  merge_out = make_view(out.merge_out.data(), DType::kFloat32, {0, 1, int64_t{1} << 34});
+  expect_invalid([&] { merge(); }, "o_a");
+}
+
+TEST_F(ValidationTest, MergeStatesHeadsAndHeadDimBeyondLimit) {
+  states = make_view(merge_a.data(), DType::kFloat32, {0, 1, 4097});
+  expect_invalid([&] { merge_many(); }, "states");
+  states = make_view(merge_a.data(), DType::kFloat32, {0, 65537, 8});
+  expect_invalid([&] { merge_many(); }, "states");
 }
 
 TEST_F(ValidationTest, MergeStatesLseOutWrongShape) {

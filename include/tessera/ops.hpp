@@ -1,4 +1,5 @@
 // Tessera auxiliary ops: paged-KV append, block_table -> CSR, merge of attention states, RoPE.
+// Every op takes up to 65536 heads and a head_dim up to 4096.
 #pragma once
 
 #include "tessera/attention.hpp"

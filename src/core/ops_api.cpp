@@ -1,5 +1,6 @@
 // Public entry points of the auxiliary ops: validate, then dispatch to the CPU or CUDA backend.
 #include <cmath>
+#include <cstdint>
 #include <vector>
 
 #include "core/backends.hpp"
@@ -44,6 +45,21 @@ void check_rope_options(const ArgChecker& check, const RopeOptions& options, int
   }
 }
 
+// The op kernels index heads and features in 32 bits and the CPU merge keeps one row of double
+// accumulators, so both are bounded, well above any attention head (256; MLA 576).
+constexpr int64_t kMaxOpHeads = 65536;
+constexpr int64_t kMaxOpHeadDim = 4096;
+
+void check_head_extent(const ArgChecker& check, const TensorView& view, const char* name,
+                       int heads_index, int head_dim_index) {
+  check.require(view.shape[heads_index] <= kMaxOpHeads, name,
+                "expected num_heads <= " + std::to_string(kMaxOpHeads) + ", got " +
+                    std::to_string(view.shape[heads_index]));
+  check.require(view.shape[head_dim_index] <= kMaxOpHeadDim, name,
+                "expected head_dim <= " + std::to_string(kMaxOpHeadDim) + ", got " +
+                    std::to_string(view.shape[head_dim_index]));
+}
+
 // Throws unless `view` is usable on `device` (CUDA present etc.).
 void check_usable(const ArgChecker& check, Device device) {
   detail::check_device_usable(check, device);
@@ -83,6 +99,7 @@ void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorVi
   for (const auto& [view, name] : {std::pair{q, "q"}, {k, "k"}}) {
     if (!has_value(view)) continue;
     check.tensor(view, name, 3, "[nnz, num_heads, head_dim]");
+    check_head_extent(check, view, name, 1, 2);
     check.dtype_in(view, name, kFloatDtypes);
     check.device_is(view, name, device);
     check.dim_is(view, name, 0, nnz, "nnz, the token count of q/k");
@@ -105,6 +122,7 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
                            const RopeOptions* rope, void* stream) {
   const ArgChecker check("append_paged_kv_cache");
   check.tensor(k_new, "k_new", 3, "[nnz, num_kv_heads, head_dim]");
+  check_head_extent(check, k_new, "k_new", 1, 2);
   const Device device = k_new.device;
   check_usable(check, device);
   check.dtype_in(k_new, "k_new", kFloatDtypes);
@@ -133,7 +151,8 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
     check.dim_is(kv.v_cache, "v_cache", d, kv.k_cache.shape[d], "shape of k_cache");
   }
   const int64_t page_size = kv.k_cache.shape[token_dim];
-  check.require(page_size >= 1, "k_cache", "page_size must be >= 1");
+  check.require(page_size >= 1 && page_size <= INT32_MAX, "k_cache",
+                "expected page_size in [1, 2^31), got " + std::to_string(page_size));
   check.index_array(append_indptr, "append_indptr", -1, device);
   const int64_t batch = append_indptr.shape[0] - 1;
   check.require(batch >= 0, "append_indptr", "expected batch_size + 1 >= 1 elements");
@@ -200,6 +219,8 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
   check_usable(check, device);
   check.device_is(block_table, "block_table", device);
   const int64_t batch = block_table.shape[0], max_pages = block_table.shape[1];
+  check.require(max_pages <= INT32_MAX, "block_table",
+                "expected max_pages < 2^31 columns, got " + std::to_string(max_pages));
   check.require(page_size >= 1, "page_size", "expected >= 1, got " + std::to_string(page_size));
   check.index_array(seq_lens, "seq_lens", batch, device);
   check.index_array(page_indptr, "page_indptr", batch + 1, device);
@@ -242,6 +263,7 @@ void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorVie
                  void* stream) {
   const ArgChecker check("merge_state");
   check.tensor(o_a, "o_a", 3, "[N, num_heads, head_dim]");
+  check_head_extent(check, o_a, "o_a", 1, 2);
   const Device device = o_a.device;
   check_usable(check, device);
   const int64_t rows = o_a.shape[0], heads = o_a.shape[1], dim = o_a.shape[2];
@@ -265,6 +287,7 @@ void merge_states(const TensorView& states, const TensorView& lse, const TensorV
                   const TensorView& o_out, const TensorView& lse_out, void* stream) {
   const ArgChecker check("merge_states");
   check.tensor(states, "states", 3, "[num_states, num_heads, head_dim]");
+  check_head_extent(check, states, "states", 1, 2);
   const Device device = states.device;
   check_usable(check, device);
   const int64_t num_states = states.shape[0], heads = states.shape[1], dim = states.shape[2];
