@@ -673,6 +673,18 @@ TEST_F(ValidationTest, RopeHeadsOrHeadDimBeyondLimit) {
   expect_invalid([&] { rope(); }, "q");
 }
 
+TEST_F(ValidationTest, RopeRotaryDimBeyondKernelTable) {
+  // head_dim 512 is within the ops' limit, but the CUDA RoPE kernels hold the cos/sin of at most
+  // 128 pairs (a larger rotary_dim overflowed their host and shared-memory tables). No token.
+  q = make_view(out.q.data(), DType::kFloat32, {0, kQoHeads, 512});
+  k_rope = make_view(out.k.data(), DType::kFloat32, {0, kKvHeads, 512});
+  positions = make_view(positions_values.data(), DType::kInt32, {0});
+  expect_invalid([&] { rope(); }, "rope.rotary_dim");
+  RopeOptions options;
+  options.rotary_dim = 258;
+  expect_invalid([&] { rope(options); }, "rope.rotary_dim");
+}
+
 TEST_F(ValidationTest, RopeThetaNotPositive) {
   RopeOptions options;
   options.rope_theta = 0.0f;
@@ -709,6 +721,20 @@ TEST_F(ValidationTest, AppendHeadDimBeyondLimit) {
   k_new = make_view(k_new_data.data(), DType::kFloat32, {0, kKvHeads, 4100});
   v_new = make_view(v_new_data.data(), DType::kFloat32, {0, kKvHeads, 4100});
   expect_invalid([&] { append(); }, "k_new");
+}
+
+TEST_F(ValidationTest, AppendFusedRopeRotaryDimBeyondKernelTable) {
+  k_new = make_view(k_new_data.data(), DType::kFloat32, {0, kKvHeads, 512});
+  v_new = make_view(v_new_data.data(), DType::kFloat32, {0, kKvHeads, 512});
+  // No row is appended: the cache views, larger than their buffers, are never touched.
+  append_indptr_values = {0, 0, 0};
+  cache.k_cache =
+      make_view(out.k_cache.data(), DType::kFloat32, {kNumPages, kPageSize, kKvHeads, 512});
+  cache.v_cache =
+      make_view(out.v_cache.data(), DType::kFloat32, {kNumPages, kPageSize, kKvHeads, 512});
+  const RopeOptions rope_options;
+  expect_invalid([&] { append_paged_kv_cache(k_new, v_new, append_indptr, cache, &rope_options); },
+                 "rope.rotary_dim");
 }
 
 TEST_F(ValidationTest, AppendPageIndexOutOfRange) {

@@ -13,7 +13,7 @@ namespace tessera {
 //  GPT-J style (interleave = true): pairs (x[2i], x[2i+1]).
 // Frequency of pair i: theta^(-2i / rotary_dim) / rope_scale, optionally rescaled per Llama 3.1.
 struct RopeOptions {
-  int32_t rotary_dim = 0;  // 0: head_dim
+  int32_t rotary_dim = 0;  // 0: head_dim; at most 256
   bool interleave = false;
   float rope_theta = 1e4f;
   float rope_scale = 1.0f;  // linear position interpolation (positions / rope_scale)

@@ -22,11 +22,18 @@ constexpr std::initializer_list<DType> kFloatDtypes = {DType::kFloat32, DType::k
 
 bool on_cpu(const TensorView& view) { return view.device.type == DeviceType::kCPU; }
 
+// The CUDA RoPE kernels (standalone and fused into the append) keep the frequencies and the
+// cos/sin of every pair in fixed tables of 128 pairs (kMaxRopePairs, cuda/ops/rope_common.cuh).
+constexpr int64_t kMaxRotaryDim = 256;
+
 void check_rope_options(const ArgChecker& check, const RopeOptions& options, int64_t head_dim) {
   const int64_t rotary = options.rotary_dim == 0 ? head_dim : options.rotary_dim;
   check.require(rotary >= 2 && rotary <= head_dim && rotary % 2 == 0, "rope.rotary_dim",
                 "expected an even value in [2, head_dim = " + std::to_string(head_dim) +
                     "] (0 = head_dim), got " + std::to_string(options.rotary_dim));
+  check.require(rotary <= kMaxRotaryDim, "rope.rotary_dim",
+                "expected at most " + std::to_string(kMaxRotaryDim) +
+                    " rotated features (0 = head_dim), got " + std::to_string(rotary));
   check.require(std::isfinite(options.rope_theta) && options.rope_theta > 0, "rope.rope_theta",
                 "expected a finite value > 0");
   check.require(std::isfinite(options.rope_scale) && options.rope_scale > 0, "rope.rope_scale",

@@ -19,7 +19,7 @@
 
 namespace tessera::detail {
 
-// rotary_dim <= head_dim <= 256 (validated by the core), so at most 128 pairs.
+// rotary_dim <= 256 (validated by the core, check_rope_options), so at most 128 pairs.
 inline constexpr int32_t kMaxRopePairs = 128;
 
 // Per-pair frequencies (radians per position), passed by value in the kernel parameters.
