@@ -737,6 +737,30 @@ TEST_F(ValidationTest, AppendFusedRopeRotaryDimBeyondKernelTable) {
                  "rope.rotary_dim");
 }
 
+TEST_F(ValidationTest, AppendRequestBeyondInt32Keys) {
+  // Pages of 2^30 tokens: request 0's five pages hold 4 * 2^30 + 1 keys, which KVSource::kv_len
+  // (int32) wrapped to 1, so the row was appended at position 0 instead of being refused.
+  const int64_t page_size = int64_t{1} << 30;
+  cache.k_cache =
+      make_view(out.k_cache.data(), DType::kFloat32, {1, page_size, kKvHeads, kHeadDim});
+  cache.v_cache =
+      make_view(out.v_cache.data(), DType::kFloat32, {1, page_size, kKvHeads, kHeadDim});
+  page_indptr_values = {0, 5, 5};
+  page_indices_values = {0, 0, 0, 0, 0};
+  cache.page_indices = make_view(page_indices_values.data(), DType::kInt32, {5});
+  last_page_len_values = {1, 1};
+  append_indptr_values = {0, 1, 1};
+  k_new = make_view(k_new_data.data(), DType::kFloat32, {1, kKvHeads, kHeadDim});
+  v_new = make_view(v_new_data.data(), DType::kFloat32, {1, kKvHeads, kHeadDim});
+  expect_invalid([&] { append(); }, "page_indptr");
+}
+
+TEST_F(ValidationTest, AppendBatchBeyondInt32) {
+  // 2^31 requests: the backends count requests in int32. Rejected before any array is read.
+  append_indptr = make_view(append_indptr_values.data(), DType::kInt32, {(int64_t{1} << 31) + 1});
+  expect_invalid([&] { append(); }, "append_indptr");
+}
+
 TEST_F(ValidationTest, AppendPageIndexOutOfRange) {
   page_indices_values[3] = kNumPages + 3;
   expect_invalid([&] { append(); }, "page_indices");

@@ -162,7 +162,10 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
                 "expected page_size in [1, 2^31), got " + std::to_string(page_size));
   check.index_array(append_indptr, "append_indptr", -1, device);
   const int64_t batch = append_indptr.shape[0] - 1;
-  check.require(batch >= 0, "append_indptr", "expected batch_size + 1 >= 1 elements");
+  // Both backends take the batch size and request indices as int32.
+  check.require(batch >= 0 && batch <= INT32_MAX, "append_indptr",
+                "expected batch_size + 1 in [1, 2^31] elements, got " +
+                    std::to_string(append_indptr.shape[0]));
   check.index_array(kv.page_indptr, "page_indptr", batch + 1, device);
   check.index_array(kv.page_indices, "page_indices", -1, device);
   check.index_array(kv.last_page_len, "last_page_len", batch, device);
@@ -189,12 +192,16 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
                       "expected values in [1, page_size], got last_page_len[" +
                           std::to_string(b) + "] = " + std::to_string(cache.last_page_len[b]));
       }
-      check.require(cache.kv_len(static_cast<int>(b)) >= append[b + 1] - append[b],
-                    "page_indptr",
+      // KVSource::kv_len is int32: count in 64 bits first (attention rejects such requests too).
+      const int64_t kv_len =
+          num_pages == 0 ? 0 : (num_pages - 1) * page_size + cache.last_page_len[b];
+      check.require(kv_len <= INT32_MAX, "page_indptr", [&] {
+        return "request " + std::to_string(b) + " holds more than 2^31 - 1 keys";
+      });
+      check.require(kv_len >= append[b + 1] - append[b], "page_indptr",
                     "request " + std::to_string(b) + " appends " +
                         std::to_string(append[b + 1] - append[b]) +
-                        " rows but its pages hold only " +
-                        std::to_string(cache.kv_len(static_cast<int>(b))) +
+                        " rows but its pages hold only " + std::to_string(kv_len) +
                         " (the page table must describe the cache after the append)");
     }
     for (int32_t i = 0; i < pages.back(); ++i) {

@@ -17,6 +17,8 @@
 // range of the request (a position outside [0, kv_len) or a negative page index).
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_utils.hpp"
 #include "cuda/dtype_convert.cuh"
@@ -59,7 +61,7 @@ struct AppendParams {
 __device__ int32_t request_of_row(const int32_t* append_indptr, int32_t batch_size, int64_t row) {
   int32_t low = 0, high = batch_size;  // append_indptr[low] <= row < append_indptr[high]
   while (high - low > 1) {
-    const int32_t middle = (low + high) / 2;
+    const int32_t middle = low + (high - low) / 2;  // low + high overflows past 2^30 requests
     if (append_indptr[middle] <= row) {
       low = middle;
     } else {
@@ -136,12 +138,15 @@ __global__ void __launch_bounds__(kAppendThreads)
   const int32_t append_len = params.append_indptr[request + 1] - first_row;
   const int32_t first_page = params.page_indptr[request];
   const int32_t num_pages = params.page_indptr[request + 1] - first_page;
-  const int32_t kv_len =
-      num_pages > 0 ? (num_pages - 1) * params.page_size + params.last_page_len[request] : 0;
-  const int32_t position = kv_len - append_len + static_cast<int32_t>(row - first_row);
+  // In 64 bits: a page table (which the host cannot check) describing more than 2^31 - 1 keys
+  // must not wrap to a small kv_len and send the row to a wrong position; it is refused instead.
+  const int64_t kv_len =
+      num_pages > 0 ? int64_t{num_pages - 1} * params.page_size + params.last_page_len[request] : 0;
+  const int64_t row_position = kv_len - append_len + (row - first_row);
   // Uniform across the CTA (every thread computed the same values), so returning before the
   // barrier below is safe.
-  if (position < 0 || position >= kv_len) return;
+  if (kv_len > INT32_MAX || row_position < 0 || row_position >= kv_len) return;
+  const int32_t position = static_cast<int32_t>(row_position);
   // The cos/sin table first: sincos in double may call its slow-path argument reduction, and
   // keeping little state alive across that call keeps the kernel free of register spills.
   if (params.rope) {
