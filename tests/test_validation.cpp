@@ -808,6 +808,18 @@ TEST_F(ValidationTest, BlockTableWiderThanInt32) {
   expect_invalid([&] { to_csr(); }, "block_table");
 }
 
+TEST_F(ValidationTest, BlockTablePagesBeyondInt32) {
+  // Two requests of 2^31 - 1 one-token pages: 2^32 - 2 pages in all, which page_indptr (int32)
+  // cannot count. page_indices is large enough, so only that bound stops the conversion (which
+  // wrapped page_indptr and wrote out of bounds). Nothing is read past the two lengths.
+  block_table = make_view(block_table_values.data(), DType::kInt32, {2, INT32_MAX});
+  seq_lens_values = {INT32_MAX, INT32_MAX};
+  csr_indices = make_view(out.csr_indices.data(), DType::kInt32, {int64_t{1} << 32});
+  expect_invalid(
+      [&] { block_table_to_csr(block_table, seq_lens, 1, csr_indptr, csr_indices, csr_last); },
+      "seq_lens");
+}
+
 TEST_F(ValidationTest, BlockTablePageSizeZero) {
   expect_invalid(
       [&] { block_table_to_csr(block_table, seq_lens, 0, csr_indptr, csr_indices, csr_last); },

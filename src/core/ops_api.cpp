@@ -240,10 +240,6 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
   check.index_array(page_indptr, "page_indptr", batch + 1, device);
   check.index_array(page_indices, "page_indices", -1, device);
   check.index_array(last_page_len, "last_page_len", batch, device);
-  check.require(page_indices.shape[0] >= batch * max_pages || on_cpu(block_table),
-                "page_indices",
-                "expected room for batch_size x max_pages = " + std::to_string(batch * max_pages) +
-                    " entries, got " + std::to_string(page_indices.shape[0]));
   if (on_cpu(block_table)) {
     const int32_t* lens = seq_lens.ptr<const int32_t>();
     int64_t total_pages = 0;
@@ -257,6 +253,10 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
                         " needs " + std::to_string(pages) + " pages but block_table has " +
                         std::to_string(max_pages) + " columns");
       total_pages += pages;
+      check.require(total_pages <= INT32_MAX, "seq_lens", [&] {
+        return "requests 0.." + std::to_string(b) + " need " + std::to_string(total_pages) +
+               " pages, more than page_indptr (int32) can count";
+      });
     }
     check.require(total_pages <= page_indices.shape[0], "page_indices",
                   "expected room for " + std::to_string(total_pages) + " entries, got " +
@@ -265,6 +265,14 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
                                    page_indices.ptr<int32_t>(), last_page_len.ptr<int32_t>());
     return;
   }
+  // On the device seq_lens cannot be read: any row may fill all its columns, and the kernels'
+  // running page count becomes page_indptr (int32).
+  check.require(max_pages == 0 || batch <= INT32_MAX / max_pages, "block_table",
+                "expected batch_size x max_pages <= 2^31 - 1 (page_indptr is int32), got " +
+                    std::to_string(batch) + " x " + std::to_string(max_pages));
+  check.require(page_indices.shape[0] >= batch * max_pages, "page_indices",
+                "expected room for batch_size x max_pages = " + std::to_string(batch * max_pages) +
+                    " entries, got " + std::to_string(page_indices.shape[0]));
 #if defined(TESSERA_HAVE_CUDA)
   detail::cuda_block_table_to_csr(block_table, seq_lens.ptr<const int32_t>(), page_size,
                                   page_indptr.ptr<int32_t>(), page_indices.ptr<int32_t>(),
