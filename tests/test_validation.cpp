@@ -476,6 +476,32 @@ TEST_F(ValidationTest, CacheLayoutUnknown) {
   expect_invalid([&] { run_decode_call(); }, "kv.layout");
 }
 
+TEST_F(ValidationTest, PagedPlanPagesCountedIn64Bits) {
+  // One request of 2^31 - 1 keys in two pages of 1.5 * 2^30 tokens. The run-time count of its
+  // pages, (kv_len + page_size - 1) / page_size, overflowed int32 to 0, so a one-entry
+  // page_indices passed the check that guards the GPU kernels (which read it unchecked); on the
+  // CPU only the later host-side check caught it.
+  const int page_size = 3 << 29;
+  page_indptr_values = {0, 2};
+  last_page_len_values = {(1 << 29) - 1};
+  const Plan plan = plan_decode(page_indptr_values, last_page_len_values, page_size, kQoHeads,
+                                kKvHeads, kHeadDim, {});
+  ASSERT_EQ(plan.kv_lens, std::vector<int32_t>{INT32_MAX});
+  for (TensorView* view : {&cache.k_cache, &cache.v_cache}) {
+    *view = make_view(view->data, DType::kFloat32, {2, page_size, kKvHeads, kHeadDim});
+  }
+  cache.page_indptr = make_view(page_indptr_values.data(), DType::kInt32, {2});
+  cache.page_indices = make_view(page_indices_values.data(), DType::kInt32, {1});
+  cache.last_page_len = make_view(last_page_len_values.data(), DType::kInt32, {1});
+  q_decode = make_view(q_decode_data.data(), DType::kFloat32, {1, kQoHeads, kHeadDim});
+  o_decode = make_view(out.o_decode.data(), DType::kFloat32, {1, kQoHeads, kHeadDim});
+  lse_decode = make_view(out.lse_decode.data(), DType::kFloat32, {1, kQoHeads});
+  EXPECT_TRUE(
+      fails_with([&] { run_decode(plan, q_decode, cache, o_decode, lse_decode, workspace); },
+                 Error::Kind::kInvalidArgument, "'page_indices': expected at least 2 entries"));
+  EXPECT_TRUE(out == snapshot) << "a rejected call wrote to an output buffer";
+}
+
 TEST_F(ValidationTest, DecodeRowsNotMultipleOfBatch) {
   q_decode = make_view(q_decode_data.data(), DType::kFloat32, {3, kQoHeads, kHeadDim / 2});
   expect_invalid([&] { decode(q_decode, cache, o_decode, lse_decode); }, "q");

@@ -259,7 +259,9 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
   check.index_array(kv.page_indices, "page_indices", -1, plan.device);
   check.index_array(kv.last_page_len, "last_page_len", plan.batch_size, plan.device);
   int64_t planned_pages = 0;
-  for (int32_t len : plan.kv_lens) planned_pages += (len + plan.page_size - 1) / plan.page_size;
+  for (int32_t len : plan.kv_lens) {
+    planned_pages += (int64_t{len} + plan.page_size - 1) / plan.page_size;  // sum past int32
+  }
   check.require(kv.page_indices.shape[0] >= planned_pages, "page_indices", [&] {
     return "expected at least " + std::to_string(planned_pages) +
            " entries (the pages of the plan's requests), got " +
