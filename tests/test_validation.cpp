@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -474,6 +475,20 @@ TEST_F(ValidationTest, CachePageCountsDiffer) {
 TEST_F(ValidationTest, CacheLayoutUnknown) {
   cache.layout = static_cast<KVLayout>(7);
   expect_invalid([&] { run_decode_call(); }, "kv.layout");
+}
+
+TEST_F(ValidationTest, DecodeQueryRowsBeyondInt32) {
+  // 2^25 + 1 requests of 64 queries: the rows of the last requests, b * 64, overflow int32
+  // (AttentionProblem::q_begin). The bound comes before the arrays are read, so the spans (longer
+  // than their vectors) are never dereferenced.
+  const size_t batch = (size_t{1} << 25) + 1;
+  expect_invalid(
+      [&] {
+        plan_decode(std::span<const int32_t>(page_indptr_values.data(), batch + 1),
+                    std::span<const int32_t>(last_page_len_values.data(), batch), kPageSize,
+                    kQoHeads, kKvHeads, kHeadDim, {}, {}, 64);
+      },
+      "q_per_request");
 }
 
 TEST_F(ValidationTest, PagedPlanPagesCountedIn64Bits) {

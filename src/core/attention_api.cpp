@@ -342,6 +342,12 @@ Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> 
   const ArgChecker check("plan_decode");
   check.require(q_per_request >= 1 && q_per_request <= 64, "q_per_request",
                 "expected 1..64 query tokens per request, got " + std::to_string(q_per_request));
+  // Decode finds request b's query rows at b * q_per_request in int32 (AttentionProblem::q_begin).
+  const int64_t batch = page_indptr.empty() ? 0 : static_cast<int64_t>(page_indptr.size()) - 1;
+  check.require(batch * q_per_request <= INT32_MAX, "q_per_request", [&] {
+    return "expected batch_size x q_per_request <= 2^31 - 1 query rows, got " +
+           std::to_string(batch) + " x " + std::to_string(q_per_request);
+  });
   std::vector<int32_t> kv_lens = paged_kv_lens(check, page_indptr, last_page_len, page_size);
   std::vector<int32_t> q_lens(kv_lens.size(), q_per_request);
   return build_plan(check, AttentionOp::kDecode, std::move(q_lens), std::move(kv_lens),
