@@ -329,6 +329,17 @@ TEST_F(ValidationTest, HeadDimAboveLimit) {
       "head_dim");
 }
 
+TEST_F(ValidationTest, HeadsAboveLimit) {
+  // The planner makes one work item per (query tile, kv head): 2^30 heads made a 1-token plan
+  // allocate tens of GB.
+  expect_invalid(
+      [] {
+        plan_ragged_prefill(std::vector<int32_t>{0, 1}, std::vector<int32_t>{0, 1}, 131072, 131072,
+                            kHeadDim, {});
+      },
+      "num_qo_heads");
+}
+
 TEST_F(ValidationTest, HeadDimZero) {
   q = make_view(out.q.data(), DType::kFloat32, {kTotalQ, kQoHeads, 0});
   k = make_view(out.k.data(), DType::kFloat32, {kTotalKv, kKvHeads, 0});

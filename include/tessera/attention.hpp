@@ -6,8 +6,8 @@
 //  * Ragged K/V: k, v [total_kv, num_kv_heads, head_dim], ragged by kv_indptr[B+1].
 //  * Paged K/V: see PagedKVCache. Strides of every tensor are honoured except the last dim,
 //    which must be contiguous.
-//  * GQA/MQA: num_qo_heads must be an integer multiple of num_kv_heads; query head h reads kv
-//    head h / (num_qo_heads / num_kv_heads).
+//  * GQA/MQA: num_qo_heads (at most 65536) must be an integer multiple of num_kv_heads; query
+//    head h reads kv head h / (num_qo_heads / num_kv_heads).
 //  * Causal masks are aligned bottom-right: query i of a request with q_len queries and kv_len
 //    keys sees key j iff j <= i + kv_len - q_len. A sliding window (left, right) further limits
 //    keys to [i + off - left, i + off + right] with off = kv_len - q_len; -1 = unbounded.

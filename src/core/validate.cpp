@@ -102,8 +102,12 @@ int64_t ArgChecker::indptr(std::span<const int32_t> values, std::string_view arg
 }
 
 void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim) {
-  check.require(num_qo_heads >= 1, "num_qo_heads",
-                "expected >= 1, got " + std::to_string(num_qo_heads));
+  // The planner makes a work item per (query tile, kv head): bounded like the ops' heads, so a
+  // head count alone cannot make a plan of billions of items.
+  constexpr int kMaxHeads = 65536;
+  check.require(
+      num_qo_heads >= 1 && num_qo_heads <= kMaxHeads, "num_qo_heads",
+      "expected 1.." + std::to_string(kMaxHeads) + ", got " + std::to_string(num_qo_heads));
   check.require(num_kv_heads >= 1, "num_kv_heads",
                 "expected >= 1, got " + std::to_string(num_kv_heads));
   check.require(num_qo_heads % num_kv_heads == 0, "num_qo_heads",
