@@ -311,6 +311,14 @@ TEST_F(ValidationTest, CacheLastDimNotContiguous) {
   expect_invalid([&] { run_decode_call(); }, "v_cache");
 }
 
+TEST_F(ValidationTest, StatesOffsetsBeyondInt64) {
+  // A row stride of 2^62 over 3 rows: the last row's offset, 2 * 2^62, does not fit in int64
+  // (no tensor spans 2^63 bytes). indptr reads only state 0, so nothing else would be read.
+  states = make_view(merge_a.data(), DType::kFloat32, {3, 2, 8}, {int64_t{1} << 62, 8, 1});
+  states_indptr_values = {0, 1, 1};
+  expect_invalid([&] { merge_many(); }, "states");
+}
+
 // ---------------------------------------------------------------- heads and head_dim
 
 TEST_F(ValidationTest, HeadDimNotMultipleOfEight) {

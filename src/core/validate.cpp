@@ -1,5 +1,6 @@
 #include "core/validate.hpp"
 
+#include <algorithm>
 #include <sstream>
 
 namespace tessera::detail {
@@ -11,6 +12,18 @@ std::string shape_string(const TensorView& view) {
   out << "]";
   return out.str();
 }
+
+namespace {
+
+std::string stride_string(const TensorView& view) {
+  std::ostringstream out;
+  out << "[";
+  for (int i = 0; i < view.ndim; ++i) out << (i ? ", " : "") << view.stride[i];
+  out << "]";
+  return out.str();
+}
+
+}  // namespace
 
 void ArgChecker::fail(std::string_view arg, const std::string& message) const {
   throw Error(Error::Kind::kInvalidArgument,
@@ -33,7 +46,26 @@ void ArgChecker::tensor(const TensorView& view, std::string_view arg, int ndim,
     if (view.shape[i] < 0) fail(arg, "negative size in shape " + shape_string(view));
     if (view.stride[i] < 0) fail(arg, "negative strides are not supported");
   }
-  if (view.numel() > 0 && view.data == nullptr) fail(arg, "data pointer is null");
+  const int64_t numel = view.numel();
+  if (numel > 0 && view.data == nullptr) fail(arg, "data pointer is null");
+  if (numel > 0) {
+    // Every element offset (row * stride + ...) and its byte address must fit in int64, as the
+    // backends compute them; no tensor in memory spans 2^63 bytes. numel() saturates.
+    bool overflow = numel == INT64_MAX;
+    int64_t last = 0;  // the largest element offset
+    for (int i = 0; i < ndim; ++i) {
+      int64_t span = 0;
+      overflow = overflow || __builtin_mul_overflow(view.shape[i] - 1, view.stride[i], &span) ||
+                 __builtin_add_overflow(last, span, &last);
+    }
+    const int64_t element_bytes =
+        std::max<int64_t>(1, static_cast<int64_t>(dtype_size(view.dtype)));
+    int64_t bytes = 0;
+    if (overflow || __builtin_mul_overflow(last + 1, element_bytes, &bytes)) {
+      fail(arg, "shape " + shape_string(view) + " with strides " + stride_string(view) +
+                    " spans more than 2^63 - 1 bytes");
+    }
+  }
   if (view.shape[ndim - 1] > 1 && view.stride[ndim - 1] != 1) {
     fail(arg, "the last dimension must be contiguous (stride 1), got stride " +
                   std::to_string(view.stride[ndim - 1]));
