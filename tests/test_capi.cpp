@@ -202,6 +202,16 @@ TEST(CApiInfo, VersionAndAbi) {
   EXPECT_STREQ(tessera_last_error(), "");
 }
 
+TEST(CApiInfo, StreamCaptureIdOfAStreamNotCapturing) {
+  // The default stream is not being captured (test_cuda_graph checks ids during captures).
+  uint64_t id = 12345;
+  ASSERT_EQ(tessera_stream_capture_id(nullptr, &id), TESSERA_OK) << tessera_last_error();
+  EXPECT_EQ(id, 0u);
+  EXPECT_EQ(tessera_stream_capture_id(nullptr, nullptr), TESSERA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(tessera_last_error()).find("'capture_id'"), std::string::npos)
+      << tessera_last_error();
+}
+
 TEST(CApiInfo, OptionDefaultsMatchCpp) {
   tessera_attention_options options;
   std::memset(&options, 0x5a, sizeof(options));

@@ -32,6 +32,7 @@
 #include "core/planner.hpp"
 #include "core/problem.hpp"
 #include "tessera/attention.hpp"
+#include "tessera/backend.hpp"
 #include "tessera/types.hpp"
 
 #if defined(TESSERA_HAVE_CUDA)
@@ -616,6 +617,25 @@ TEST(CudaGraph, UploadDuringCaptureIsRefusedAndLegacyCaptureStillWorks) {
   CUDA_OK(cudaGraphLaunch(graph.exec, s));
   std::mt19937_64 pick(7);
   EXPECT_EQ(setup.check(s, rows_to_check(pick, 0, 3 * DecodeSetup::kQoHeads)), "");
+}
+
+TEST(CudaGraph, StreamCaptureIdNamesEachCapture) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  EXPECT_EQ(cuda_stream_capture_id(s), 0u);
+  uint64_t ids[2] = {0, 0};
+  for (uint64_t& id : ids) {
+    Graph graph;
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    id = cuda_stream_capture_id(s);
+    const uint64_t again = cuda_stream_capture_id(s);
+    CUDA_OK(cudaStreamEndCapture(s, &graph.graph));
+    EXPECT_NE(id, 0u);
+    EXPECT_EQ(again, id);
+    EXPECT_EQ(cuda_stream_capture_id(s), 0u);
+  }
+  EXPECT_NE(ids[0], ids[1]);
 }
 
 // ---------------------------------------------------------------------------- ragged prefill

@@ -71,6 +71,10 @@ TESSERA_API const char* tessera_version(void);
 TESSERA_API int tessera_abi_version(void);
 /* Visible CUDA devices; 0 in a CPU-only build or without a driver. */
 TESSERA_API int tessera_cuda_device_count(void);
+/* *capture_id = the id of the CUDA graph capture in progress on `stream` (a cudaStream_t; unique
+ * per capture in the process), 0 when it is not being captured, in a CPU-only build or without
+ * a CUDA device. */
+TESSERA_API tessera_status tessera_stream_capture_id(void* stream, uint64_t* capture_id);
 
 /* ---- options ---- */
 

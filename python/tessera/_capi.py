@@ -210,6 +210,7 @@ _PROTOTYPES: Dict[str, tuple] = {
     "tessera_version": (ctypes.c_char_p, []),
     "tessera_abi_version": (ctypes.c_int, []),
     "tessera_cuda_device_count": (ctypes.c_int, []),
+    "tessera_stream_capture_id": (_STATUS, [_VOIDP, ctypes.POINTER(ctypes.c_uint64)]),
     "tessera_attention_options_default": (None, [_OPTS_P]),
     "tessera_rope_options_default": (None, [_ROPE_P]),
     "tessera_plan_ragged_prefill": (
@@ -361,6 +362,15 @@ def library_path() -> str:
 
 def last_error() -> str:
     return lib().tessera_last_error().decode("utf-8", "replace")
+
+
+def stream_capture_id(stream: Optional[int]) -> int:
+    """The id of the CUDA graph capture in progress on ``stream`` (a cudaStream_t as an int;
+    unique per capture), 0 when it is not being captured or there is no CUDA device."""
+    capture = ctypes.c_uint64()
+    check(lib().tessera_stream_capture_id(ctypes.c_void_p(stream) if stream else None,
+                                          ctypes.byref(capture)))
+    return capture.value
 
 
 def default_attention_options() -> AttentionOptions:

@@ -283,6 +283,16 @@ int tessera_cuda_device_count(void) {
   }
 }
 
+tessera_status tessera_stream_capture_id(void* stream, uint64_t* capture_id) {
+  return guarded("tessera_stream_capture_id", [&] {
+    if (capture_id == nullptr) {
+      throw Error(Error::Kind::kInvalidArgument,
+                  "tessera_stream_capture_id: 'capture_id': expected a pointer, got NULL");
+    }
+    *capture_id = tessera::cuda_stream_capture_id(stream);
+  });
+}
+
 void tessera_attention_options_default(tessera_attention_options* options) {
   if (options == nullptr) return;
   const tessera::AttentionOptions defaults;

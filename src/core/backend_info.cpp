@@ -1,4 +1,5 @@
 // Device queries of the public backend API.
+#include <cstdint>
 #include <string>
 
 #include "cpu/cpu_info.hpp"
@@ -18,6 +19,14 @@ int cuda_device_count() {
 }
 
 bool cuda_available() { return cuda_device_count() > 0; }
+
+uint64_t cuda_stream_capture_id([[maybe_unused]] void* stream) {
+#if defined(TESSERA_HAVE_CUDA)
+  return detail::cuda_stream_capture_id(stream);
+#else
+  return 0;
+#endif
+}
 
 std::string describe_device(Device device) {
   if (device.type == DeviceType::kCPU) {

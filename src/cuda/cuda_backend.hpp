@@ -25,6 +25,7 @@ struct CudaDeviceInfo {
 const CudaDeviceInfo& cuda_device_info(int device);
 int cuda_device_count_or_zero();
 int cuda_current_device();
+uint64_t cuda_stream_capture_id(void* stream);  // 0: not capturing
 
 // Fills the planner knobs for this device and problem (tile rows of the kernel that will serve
 // it, persistent worker count, split-KV policy).

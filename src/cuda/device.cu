@@ -32,6 +32,17 @@ int cuda_current_device() {
   return device;
 }
 
+uint64_t cuda_stream_capture_id(void* stream) {
+  static const int count = cuda_device_count_or_zero();
+  if (count == 0) return 0;  // no device, no capture (and no driver to ask)
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  check_cuda(cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &id),
+             "cudaStreamGetCaptureInfo");
+  // An invalidated capture (a prohibited call broke it) still has its id until it ends.
+  return status == cudaStreamCaptureStatusNone ? 0 : static_cast<uint64_t>(id);
+}
+
 const CudaDeviceInfo& cuda_device_info(int device) {
   // Filled on first use per device; entries are never moved or freed, so references stay valid.
   static std::mutex mutex;

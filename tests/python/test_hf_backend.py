@@ -30,7 +30,7 @@ def fresh_state(monkeypatch):
     were)."""
     monkeypatch.setattr(hf, "_PLANS", OrderedDict())
     monkeypatch.setattr(hf, "_WORKSPACES", OrderedDict())
-    monkeypatch.setattr(hf, "_GRAPH_PLANS", [])
+    monkeypatch.setattr(hf, "_GRAPH_PLANS", {})
     torch.manual_seed(0)
 
 
@@ -81,25 +81,33 @@ def test_dense_path_matches_sdpa(shape):
 def test_dense_plan_index_arrays_and_cache():
     """The index arrays are made on the device (no host copy) with the values the plan was made
     from; plans are cached by shape and stream, except those made during a CUDA-graph capture
-    (their arrays get values only when the graph replays)."""
+    (their arrays get values only when the graph replays): those are shared by the layers of
+    one capture and held for its replays."""
     cpu = torch.device("cpu")
     options = attention_options(True, -1, -1, 0.0, None)
-    prefill = hf._dense_plan(torch, cpu, 0, False, 3, 70, 90, 4, 2, 32, options)
+    prefill = hf._dense_plan(torch, cpu, 0, 0, 3, 70, 90, 4, 2, 32, options)
     page_indptr, page_indices, last_page_len, qo_indptr = prefill.tensors
     assert not prefill.decode
     assert page_indptr.dtype == torch.int32 and page_indptr.tolist() == [0, 1, 2, 3]
     assert page_indices.tolist() == [0, 1, 2]
     assert last_page_len.tolist() == [90, 90, 90]
     assert qo_indptr.tolist() == [0, 70, 140, 210]
-    assert hf._dense_plan(torch, cpu, 0, False, 3, 70, 90, 4, 2, 32, options) is prefill
-    decode = hf._dense_plan(torch, cpu, 0, False, 2, 1, 41, 4, 2, 32, options)
+    assert hf._dense_plan(torch, cpu, 0, 0, 3, 70, 90, 4, 2, 32, options) is prefill
+    decode = hf._dense_plan(torch, cpu, 0, 0, 2, 1, 41, 4, 2, 32, options)
     assert decode.decode and len(decode.tensors) == 3 and decode.dls[3] is None
     assert [t.tolist() for t in decode.tensors] == [[0, 1, 2], [0, 1], [41, 41]]
     # Another stream, another plan (its arrays are written on that stream).
-    assert hf._dense_plan(torch, cpu, 7, False, 2, 1, 41, 4, 2, 32, options) is not decode
+    assert hf._dense_plan(torch, cpu, 7, 0, 2, 1, 41, 4, 2, 32, options) is not decode
     assert len(hf._PLANS) == 3
-    captured = hf._dense_plan(torch, cpu, 5, True, 2, 1, 41, 4, 2, 32, options)
-    assert hf._dense_plan(torch, cpu, 5, True, 2, 1, 41, 4, 2, 32, options) is not captured
+    captured = hf._dense_plan(torch, cpu, 5, 11, 2, 1, 41, 4, 2, 32, options)
+    assert hf._dense_plan(torch, cpu, 5, 11, 2, 1, 41, 4, 2, 32, options) is captured
+    other_capture = hf._dense_plan(torch, cpu, 5, 12, 2, 1, 41, 4, 2, 32, options)
+    assert other_capture is not captured
+    assert len(hf._PLANS) == 3 and len(hf._GRAPH_PLANS) == 2
+    # A plan cached before the capture serves it and is held for its replays.
+    assert hf._dense_plan(torch, cpu, 0, 13, 2, 1, 41, 4, 2, 32, options) is decode
+    assert len(hf._GRAPH_PLANS) == 3 and hf._GRAPH_PLANS[(13,) + next(
+        key for key, value in hf._PLANS.items() if value is decode)] is decode
     assert len(hf._PLANS) == 3
 
 
@@ -246,10 +254,20 @@ def test_cuda_graph_capture_of_the_dense_path(warm):
     cached = dict(hf._PLANS)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
-        out = forward(query, key, value)
+        first_layer = forward(query, key, value)
+        out = forward(query, key, value)  # a second layer of the same shape
     assert dict(hf._PLANS) == cached  # nothing made inside the capture is cached
-    assert len(hf._GRAPH_PLANS) == 1 and hf._GRAPH_PLANS[0].in_graph
-    assert (hf._GRAPH_PLANS[0] in cached.values()) == warm
+    # One plan per shape per capture, kept for the replays.
+    assert len(hf._GRAPH_PLANS) == 1
+    (held,) = hf._GRAPH_PLANS.values()
+    assert (held in cached.values()) == warm
+    # A second capture of the same shape holds its own entry (its index arrays, when made in the
+    # capture, are written by that graph).
+    other = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(other, stream=side):
+        forward(query, key, value)
+    assert len(hf._GRAPH_PLANS) == 2
+    assert len({capture for capture, *_ in hf._GRAPH_PLANS}) == 2
     # Eager runs of other plans upload into the shared workspaces; the cache forgets them all.
     for seqlen_kv in (57, 300):
         with torch.cuda.stream(side):
@@ -261,7 +279,9 @@ def test_cuda_graph_capture_of_the_dense_path(warm):
             tensor.copy_(torch.randn_like(tensor))  # new contents at the captured addresses
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(out.float(), reference(query, key, value, False), **BF16)
+        expected = reference(query, key, value, False)
+        torch.testing.assert_close(first_layer.float(), expected, **BF16)
+        torch.testing.assert_close(out.float(), expected, **BF16)
 
 
 @cuda_only

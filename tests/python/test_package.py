@@ -22,6 +22,14 @@ def test_version_and_library():
     assert tessera.cuda_device_count() >= 0
 
 
+def test_stream_capture_id_of_a_stream_not_capturing():
+    # The default stream is never captured (the GPU test of the HF backend checks ids inside
+    # captures); without a CUDA device every stream answers 0.
+    from tessera import _capi
+    assert _capi.stream_capture_id(None) == 0
+    assert _capi.stream_capture_id(0) == 0
+
+
 def test_installed_layout_ships_the_library():
     package = Path(tessera.__file__).parent
     if os.environ.get("TESSERA_LIBRARY"):

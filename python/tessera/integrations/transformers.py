@@ -35,7 +35,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -203,14 +203,13 @@ def _valid_ranges(torch: Any, attention_mask: Any, batch: int, seqlen_q: int, se
 
 
 class _DensePlan:
-    __slots__ = ("plan", "decode", "tensors", "dls", "in_graph", "runner")
+    __slots__ = ("plan", "decode", "tensors", "dls", "runner")
 
     def __init__(self, plan: Plan, decode: bool, tensors: Tuple, dls: Tuple) -> None:
         self.plan = plan
         self.decode = decode
         self.tensors = tensors  # device index arrays (kept alive)
         self.dls = dls  # (page_indptr, page_indices, last_page_len, qo_indptr or None)
-        self.in_graph = False  # run during a CUDA graph capture: held by _GRAPH_PLANS
         # ((workspace pointer, bytes), the C fast path's runner for this plan on it, or None)
         self.runner: Optional[Tuple[Tuple[int, int], Any]] = None
 
@@ -218,19 +217,29 @@ class _DensePlan:
 # Plans by shape, device and stream (the index arrays are written on that stream, and a plan is
 # uploaded into that stream's workspace); the last _MAX_PLANS are kept.
 _PLANS: "OrderedDict[Tuple, _DensePlan]" = OrderedDict()
-# Plans run during a CUDA graph capture: the captured run copies the work lists from the plan's
-# host memory and reads its index arrays on every replay, so these are never freed.
-_GRAPH_PLANS: List[_DensePlan] = []
+# Plans run during a CUDA graph capture, by (capture id, plan key): the captured run copies the
+# work lists from the plan's host memory and reads its index arrays on every replay, so these
+# are never freed (the graph's lifetime is not visible from here). The layers of one capture
+# share one plan per shape: a model's capture keeps a plan per shape, not one per layer.
+_GRAPH_PLANS: Dict[Tuple, _DensePlan] = {}
 
 
-def _dense_plan(torch: Any, device: Any, stream: int, capturing: bool, batch: int, seqlen_q: int,
+def _dense_plan(torch: Any, device: Any, stream: int, capture_id: int, batch: int, seqlen_q: int,
                 seqlen_kv: int, heads: int, kv_heads: int, dim: int,
                 options: _capi.AttentionOptions) -> _DensePlan:
+    """The plan of a dense batch; capture_id: the CUDA graph capture in progress on the stream
+    (0: none)."""
     key = (str(device), stream, batch, seqlen_q, seqlen_kv, heads, kv_heads, dim, options.causal,
            options.window_left, options.logits_soft_cap, options.sm_scale)
+    if capture_id:
+        entry = _GRAPH_PLANS.get((capture_id,) + key)
+        if entry is not None:
+            return entry  # an earlier layer of this capture made or took it
     entry = _PLANS.get(key)
     if entry is not None:
         _PLANS.move_to_end(key)
+        if capture_id:
+            _GRAPH_PLANS[(capture_id,) + key] = entry
         return entry
     device_type, device_id = (kDLCUDA, device.index or 0) if device.type == "cuda" else (kDLCPU, 0)
     page_indptr = np.arange(batch + 1, dtype=np.int32)
@@ -265,9 +274,10 @@ def _dense_plan(torch: Any, device: Any, stream: int, capturing: bool, batch: in
     if qo_indptr is None:
         dls = dls + (None,)
     entry = _DensePlan(plan, decode, tuple(tensors), dls)
-    if capturing:
-        # Made inside a capture: the index arrays get their values only when the graph replays,
-        # so this plan serves this capture only (not cached; held by _GRAPH_PLANS).
+    if capture_id:
+        # Made inside a capture: the index arrays get their values only when the graph replays
+        # (before the first layer that uses them), so this plan serves this capture only.
+        _GRAPH_PLANS[(capture_id,) + key] = entry
         return entry
     _PLANS[key] = entry
     while len(_PLANS) > _MAX_PLANS:
@@ -352,10 +362,11 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
     cuda = device.type == "cuda"
     device_index = (device.index or 0) if cuda else 0
     stream = torch_stream(device_index) if cuda else 0
-    capturing = cuda and torch_stream_capturing(device_index)
-    entry = _dense_plan(torch, device, stream, capturing, batch, seqlen_q, seqlen_kv, heads,
+    capture_id = (_capi.stream_capture_id(stream)
+                  if cuda and torch_stream_capturing(device_index) else 0)
+    entry = _dense_plan(torch, device, stream, capture_id, batch, seqlen_q, seqlen_kv, heads,
                         kv_heads, dim, options)
-    if cuda and not capturing:
+    if cuda and not capture_id:
         # Steady state: the shared workspace already holds this plan's lists (uploaded once per
         # plan, not once per layer), so the run only launches kernels.
         shared = _shared_workspace(torch, device, stream, entry)
@@ -374,9 +385,6 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
         # run copies the lists itself from the plan's host memory, which _GRAPH_PLANS keeps.
         workspace_bytes = entry.plan.workspace_bytes
         workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=device)
-        if capturing and not entry.in_graph:
-            entry.in_graph = True
-            _GRAPH_PLANS.append(entry)
     q_dl = to_dl(q_rows, "query")
     out = torch.empty((batch, seqlen_q, heads, dim), dtype=query.dtype, device=device)
     o_dl = to_dl(out.view(batch * seqlen_q, heads, dim), "out", writable=True)
