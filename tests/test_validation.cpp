@@ -496,6 +496,22 @@ TEST_F(ValidationTest, CacheLayoutUnknown) {
   expect_invalid([&] { run_decode_call(); }, "kv.layout");
 }
 
+TEST_F(ValidationTest, PlanBatchBeyondInt32) {
+  // 2^31 requests: Plan::batch_size (int32) wrapped negative, and run_* then took index arrays of
+  // any length. Checked before the arrays are read: the spans are never dereferenced.
+  const size_t entries = size_t{1} << 31;
+  const std::span<const int32_t> huge(qo_indptr_values.data(), entries);
+  const std::string needle = "at most 2^31 - 1 elements";
+  EXPECT_TRUE(fails_with([&] { plan_ragged_prefill(huge, huge, kQoHeads, kKvHeads, kHeadDim, {}); },
+                         Error::Kind::kInvalidArgument, "'qo_indptr': expected " + needle));
+  EXPECT_TRUE(fails_with(
+      [&] {
+        plan_decode(huge, std::span<const int32_t>(last_page_len_values.data(), entries - 1),
+                    kPageSize, kQoHeads, kKvHeads, kHeadDim, {});
+      },
+      Error::Kind::kInvalidArgument, "'page_indptr': expected " + needle));
+}
+
 TEST_F(ValidationTest, DecodeQueryRowsBeyondInt32) {
   // 2^25 + 1 requests of 64 queries: the rows of the last requests, b * 64, overflow int32
   // (AttentionProblem::q_begin). The bound comes before the arrays are read, so the spans (longer

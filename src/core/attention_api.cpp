@@ -41,6 +41,15 @@ std::vector<int32_t> diffs(std::span<const int32_t> indptr) {
   return lengths;
 }
 
+// Plans count requests in int32 (Plan::batch_size, and run_* adds 1 for the indptr lengths): at
+// most 2^31 - 1 indptr entries, the C ABI's batch_size bound. Checked before any value is read.
+void check_batch_size(const ArgChecker& check, std::span<const int32_t> indptr, const char* arg) {
+  check.require(indptr.size() <= INT32_MAX, arg, [&] {
+    return "expected at most 2^31 - 1 elements (batch_size + 1), got " +
+           std::to_string(indptr.size());
+  });
+}
+
 // kv_len per request of a paged cache; checks last_page_len.
 std::vector<int32_t> paged_kv_lens(const ArgChecker& check, std::span<const int32_t> page_indptr,
                                    std::span<const int32_t> last_page_len, int page_size) {
@@ -312,6 +321,7 @@ Plan plan_ragged_prefill(std::span<const int32_t> qo_indptr, std::span<const int
                          const AttentionOptions& options, Device device,
                          const PlanCapacity& capacity) {
   const ArgChecker check("plan_ragged_prefill");
+  check_batch_size(check, qo_indptr, "qo_indptr");
   check.indptr(qo_indptr, "qo_indptr");
   check.indptr(kv_indptr, "kv_indptr");
   check.require(kv_indptr.size() == qo_indptr.size(), "kv_indptr",
@@ -326,6 +336,7 @@ Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int3
                         int num_kv_heads, int head_dim, const AttentionOptions& options,
                         Device device, const PlanCapacity& capacity) {
   const ArgChecker check("plan_paged_prefill");
+  check_batch_size(check, qo_indptr, "qo_indptr");
   check.indptr(qo_indptr, "qo_indptr");
   std::vector<int32_t> kv_lens = paged_kv_lens(check, page_indptr, last_page_len, page_size);
   check.require(page_indptr.size() == qo_indptr.size(), "page_indptr",
@@ -342,6 +353,7 @@ Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> 
   const ArgChecker check("plan_decode");
   check.require(q_per_request >= 1 && q_per_request <= 64, "q_per_request",
                 "expected 1..64 query tokens per request, got " + std::to_string(q_per_request));
+  check_batch_size(check, page_indptr, "page_indptr");
   // Decode finds request b's query rows at b * q_per_request in int32 (AttentionProblem::q_begin).
   const int64_t batch = page_indptr.empty() ? 0 : static_cast<int64_t>(page_indptr.size()) - 1;
   check.require(batch * q_per_request <= INT32_MAX, "q_per_request", [&] {
