@@ -86,6 +86,27 @@ TEST(PlanCapacity, PlanOverCapacityIsAClearError) {
   EXPECT_THROW((void)plan_decode(indptr, last, 16, 8, 2, 64, {}, Device{}, 1, partial), Error);
 }
 
+TEST(PlanCapacity, ExtremeMaximaSaturateInsteadOfWrapping) {
+  // The bound's products exceed int64 here (UBSan in tools/asan-test.sh flags a wrap); the
+  // capacity is the largest a plan can use, never a wrapped (small or negative) one.
+  for (const bool deterministic : {false, true}) {
+    const PlanCapacity capacity =
+        plan_capacity(AttentionOp::kPagedPrefill, INT32_MAX, INT32_MAX, INT32_MAX, 65536, 65536,
+                      128, Device{}, deterministic);
+    EXPECT_EQ(capacity.max_work_items, INT32_MAX);
+    EXPECT_EQ(capacity.max_merges, INT32_MAX);
+    EXPECT_EQ(capacity.max_partial_rows, INT32_MAX);
+  }
+  // More query tokens than an int32 qo_indptr can count: refused, naming the argument.
+  try {
+    (void)plan_capacity(AttentionOp::kRaggedPrefill, 1, int64_t{INT32_MAX} + 1, 16, 8, 2, 64);
+    FAIL() << "expected tessera::Error";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("'max_total_q'"), std::string::npos)
+        << error.what();
+  }
+}
+
 TEST(PlanCapacity, FixedCapacityWithoutMergeRoomTurnsSplitKvOff) {
   std::vector<int32_t> indptr, last;
   paged_lengths({8192}, 16, &indptr, &last);

@@ -373,8 +373,9 @@ PlanCapacity plan_capacity(AttentionOp op, int max_batch, int64_t max_total_q, i
   detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim);
   detail::check_device_usable(check, device);
   check.require(max_batch >= 1, "max_batch", "expected >= 1, got " + std::to_string(max_batch));
-  check.require(max_total_q >= 0, "max_total_q",
-                "expected >= 0, got " + std::to_string(max_total_q));
+  check.require(max_total_q >= 0 && max_total_q <= INT32_MAX, "max_total_q",
+                "expected a value in [0, 2^31 - 1] (query tokens are counted by an int32 "
+                "qo_indptr), got " + std::to_string(max_total_q));
   check.require(max_kv_len >= 0, "max_kv_len",
                 "expected >= 0, got " + std::to_string(max_kv_len));
   PlanConfig config = detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim);

@@ -425,8 +425,14 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
   const int64_t tokens_per_tile = std::max<int64_t>(1, config.q_tile_rows / group);
   max_total_q = std::max<int64_t>(0, max_total_q);
   max_kv_len = std::max(0, max_kv_len);
+  // Products saturate at INT64_MAX (the results are clamped below): extreme maxima must give
+  // the largest capacity, not a wrapped one.
+  const auto times = [](int64_t a, int64_t b) {
+    int64_t product = 0;
+    return __builtin_mul_overflow(a, b, &product) ? INT64_MAX : product;
+  };
   // sum_b ceil(q_b / t) <= floor(total / t) + batch; every tile once per kv head.
-  const int64_t tiles = (max_total_q / tokens_per_tile + max_batch) * num_kv_heads;
+  const int64_t tiles = times(max_total_q / tokens_per_tile + max_batch, num_kv_heads);
   // A split range gives at most ceil(range / min_kv_chunk) pieces (+1: deterministic cuts at
   // absolute multiples, so the first piece may be short).
   const bool can_split = config.split_kv && max_kv_len > config.min_kv_chunk;
@@ -435,23 +441,25 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
   const auto clamp32 = [](int64_t x) {
     return static_cast<int32_t>(std::clamp<int64_t>(x, 1, INT32_MAX));
   };
-  int64_t work_items = tiles * pieces;
+  int64_t work_items = times(tiles, pieces);
   // Rows of one tile = its tokens x group; summed over the tiles of one kv head = total_q x group.
-  int64_t partial_rows = can_split ? max_total_q * num_qo_heads * pieces : 0;
+  int64_t partial_rows = can_split ? times(times(max_total_q, num_qo_heads), pieces) : 0;
   if (can_split && !config.deterministic) {
     // Balanced splits are bounded by the worker count too: every policy of make_plan cuts a
     // tile of cost c into at most round(c / target) or ceil(c / target) pieces with
     // target >= fair share / kSmallestTargetDivisor (3) = total cost / (3 workers), so a tile
     // has at most 3 c / fair + 1 pieces and the plan at most 3 workers + tiles items in all,
     // whatever the lengths. This keeps graph workspaces small when min_kv_chunk is small.
-    const int64_t by_workers = kSmallestTargetDivisor * int64_t{config.num_workers} + tiles;
+    const int64_t by_workers =
+        std::min(INT64_MAX - tiles, kSmallestTargetDivisor * int64_t{config.num_workers}) + tiles;
     const int64_t rows_per_tile = std::min<int64_t>(config.q_tile_rows, tokens_per_tile * group);
     work_items = std::min(work_items, by_workers);
-    partial_rows = std::min(partial_rows, by_workers * rows_per_tile);
+    partial_rows = std::min(partial_rows, times(by_workers, rows_per_tile));
   }
   capacity.max_work_items = clamp32(work_items);
   capacity.max_merges = can_split ? clamp32(tiles) : 0;
-  capacity.max_partial_rows = partial_rows;
+  // make_plan refuses a plan of more partial rows (work items index them in 32 bits).
+  capacity.max_partial_rows = std::min<int64_t>(partial_rows, INT32_MAX);
   if (capacity.max_partial_rows == 0) capacity.max_merges = 0;
   return capacity;
 }
@@ -611,6 +619,13 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
       plan.merges.push_back({tile.request, h, tile.q_start, tile.q_len,
                              static_cast<int32_t>(plan.num_partial_rows), pieces_of[i]});
       plan.num_partial_rows += static_cast<int64_t>(rows) * pieces_of[i];
+    }
+    // Work items and merges index partial rows in 32 bits (a workspace of >= 2^31 rows of
+    // head_dim floats, 1 TiB at head_dim 128, is out of reach anyway).
+    if (plan.num_partial_rows > INT32_MAX) {
+      check.unsupported("kv_lens", "the split-KV plan needs " +
+                                       std::to_string(plan.num_partial_rows) +
+                                       "+ partial rows, more than 2^31 - 1");
     }
   }
   const std::vector<int32_t>& owner = best->owner;
