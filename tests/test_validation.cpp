@@ -317,6 +317,10 @@ TEST_F(ValidationTest, StatesOffsetsBeyondInt64) {
   states = make_view(merge_a.data(), DType::kFloat32, {3, 2, 8}, {int64_t{1} << 62, 8, 1});
   states_indptr_values = {0, 1, 1};
   expect_invalid([&] { merge_many(); }, "states");
+  // The last offset exactly INT64_MAX: one element past it does not fit either.
+  states = make_view(merge_a.data(), DType::kFloat32, {2, 1, 1}, {INT64_MAX, 1, 1});
+  states_indptr_values = {0, 1, 1};
+  expect_invalid([&] { merge_many(); }, "states");
 }
 
 // ---------------------------------------------------------------- heads and head_dim

@@ -60,8 +60,9 @@ void ArgChecker::tensor(const TensorView& view, std::string_view arg, int ndim,
     }
     const int64_t element_bytes =
         std::max<int64_t>(1, static_cast<int64_t>(dtype_size(view.dtype)));
-    int64_t bytes = 0;
-    if (overflow || __builtin_mul_overflow(last + 1, element_bytes, &bytes)) {
+    int64_t count = 0, bytes = 0;  // elements up to and including the last, and their bytes
+    if (overflow || __builtin_add_overflow(last, int64_t{1}, &count) ||
+        __builtin_mul_overflow(count, element_bytes, &bytes)) {
       fail(arg, "shape " + shape_string(view) + " with strides " + stride_string(view) +
                     " spans more than 2^63 - 1 bytes");
     }
