@@ -746,11 +746,22 @@ TEST_F(ValidationTest, RopeKeyHeadDimDiffers) {
 }
 
 TEST_F(ValidationTest, RopeHeadsOrHeadDimBeyondLimit) {
-  // No token, so nothing would be read; the kernels index heads and features in 32 bits.
+  // No token, so nothing would be read, and every other argument agrees (k, positions, a
+  // rotary_dim within the kernels' table): only the extent bound rejects these. The kernels
+  // index heads and features in 32 bits.
+  positions = make_view(positions_values.data(), DType::kInt32, {0});
+  RopeOptions options;
+  options.rotary_dim = 64;
   q = make_view(out.q.data(), DType::kFloat32, {0, kQoHeads, int64_t{1} << 32});
-  expect_invalid([&] { rope(); }, "q");
+  k_rope = make_view(out.k.data(), DType::kFloat32, {0, kKvHeads, int64_t{1} << 32});
+  expect_invalid([&] { rope(options); }, "q");
   q = make_view(out.q.data(), DType::kFloat32, {0, 65537, kHeadDim});
+  k_rope = make_view(out.k.data(), DType::kFloat32, {0, kKvHeads, kHeadDim});
   expect_invalid([&] { rope(); }, "q");
+  // The limits themselves are accepted.
+  q = make_view(out.q.data(), DType::kFloat32, {0, 65536, 4096});
+  k_rope = make_view(out.k.data(), DType::kFloat32, {0, 65536, 4096});
+  EXPECT_NO_THROW(rope(options));
 }
 
 TEST_F(ValidationTest, RopeRotaryDimBeyondKernelTable) {
@@ -798,8 +809,15 @@ TEST_F(ValidationTest, AppendCacheHeadsDiffer) {
 }
 
 TEST_F(ValidationTest, AppendHeadDimBeyondLimit) {
+  // No row is appended and the cache has the same head_dim: only the extent bound rejects it
+  // (the cache views, larger than their buffers, are never touched).
+  append_indptr_values = {0, 0, 0};
   k_new = make_view(k_new_data.data(), DType::kFloat32, {0, kKvHeads, 4100});
   v_new = make_view(v_new_data.data(), DType::kFloat32, {0, kKvHeads, 4100});
+  cache.k_cache =
+      make_view(out.k_cache.data(), DType::kFloat32, {kNumPages, kPageSize, kKvHeads, 4100});
+  cache.v_cache =
+      make_view(out.v_cache.data(), DType::kFloat32, {kNumPages, kPageSize, kKvHeads, 4100});
   expect_invalid([&] { append(); }, "k_new");
 }
 
@@ -837,7 +855,12 @@ TEST_F(ValidationTest, AppendRequestBeyondInt32Keys) {
 
 TEST_F(ValidationTest, AppendBatchBeyondInt32) {
   // 2^31 requests: the backends count requests in int32. Rejected before any array is read.
-  append_indptr = make_view(append_indptr_values.data(), DType::kInt32, {(int64_t{1} << 31) + 1});
+  // The page table's arrays have the lengths such a batch needs, so only the bound rejects it
+  // (none of these views, larger than their buffers, is read).
+  const int64_t batch = int64_t{1} << 31;
+  append_indptr = make_view(append_indptr_values.data(), DType::kInt32, {batch + 1});
+  cache.page_indptr = make_view(page_indptr_values.data(), DType::kInt32, {batch + 1});
+  cache.last_page_len = make_view(last_page_len_values.data(), DType::kInt32, {batch});
   expect_invalid([&] { append(); }, "append_indptr");
 }
 
@@ -939,14 +962,30 @@ TEST_F(ValidationTest, MergeHeadDimBeyondLimit) {
   o_a = make_view(merge_a.data(), DType::kFloat32, {0, 1, int64_t{1} << 34});
   o_b = make_view(merge_b.data(), DType::kFloat32, {0, 1, int64_t{1} << 34});
   merge_out = make_view(out.merge_out.data(), DType::kFloat32, {0, 1, int64_t{1} << 34});
+  lse_a = make_view(merge_lse_a.data(), DType::kFloat32, {0, 1});
+  lse_b = make_view(merge_lse_b.data(), DType::kFloat32, {0, 1});
+  merge_lse_out = make_view(out.merge_lse_out.data(), DType::kFloat32, {0, 1});
   expect_invalid([&] { merge(); }, "o_a");
+  // At the limit: accepted.
+  for (TensorView* view : {&o_a, &o_b, &merge_out}) view->shape[2] = 4096;
+  EXPECT_NO_THROW(merge());
 }
 
 TEST_F(ValidationTest, MergeStatesHeadsAndHeadDimBeyondLimit) {
-  states = make_view(merge_a.data(), DType::kFloat32, {0, 1, 4097});
+  // No state and no output row, every operand of the same shape: only the bound rejects.
+  states_indptr = make_view(states_indptr_values.data(), DType::kInt32, {1});
+  const auto shapes = [&](int64_t heads, int64_t dim) {
+    states = make_view(merge_a.data(), DType::kFloat32, {0, heads, dim});
+    lse_a = make_view(merge_lse_a.data(), DType::kFloat32, {0, heads});
+    states_out = make_view(out.merge_out.data(), DType::kFloat32, {0, heads, dim});
+    states_lse_out = make_view(out.merge_lse_out.data(), DType::kFloat32, {0, heads});
+  };
+  shapes(1, 4097);
   expect_invalid([&] { merge_many(); }, "states");
-  states = make_view(merge_a.data(), DType::kFloat32, {0, 65537, 8});
+  shapes(65537, 8);
   expect_invalid([&] { merge_many(); }, "states");
+  shapes(65536, 4096);
+  EXPECT_NO_THROW(merge_many());
 }
 
 TEST_F(ValidationTest, MergeStatesLseOutWrongShape) {

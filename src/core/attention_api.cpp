@@ -18,21 +18,28 @@ using detail::AttentionProblem;
 using detail::KVSource;
 
 void check_options(const ArgChecker& check, const AttentionOptions& options) {
-  check.require(options.window_left >= -1, "options.window_left",
-                "expected -1 (unbounded) or >= 0, got " + std::to_string(options.window_left));
-  check.require(options.window_right >= -1, "options.window_right",
-                "expected -1 (unbounded) or >= 0, got " + std::to_string(options.window_right));
+  check.require(options.window_left >= -1, "options.window_left", [&] {
+    return "expected -1 (unbounded) or >= 0, got " + std::to_string(options.window_left);
+  });
+  check.require(options.window_right >= -1, "options.window_right", [&] {
+    return "expected -1 (unbounded) or >= 0, got " + std::to_string(options.window_right);
+  });
   check.require(std::isfinite(options.logits_soft_cap) && options.logits_soft_cap >= 0.0f,
-                "options.logits_soft_cap",
-                "expected a finite value >= 0 (0 = off), got " +
-                    std::to_string(options.logits_soft_cap));
+                "options.logits_soft_cap", [&] {
+                  return "expected a finite value >= 0 (0 = off), got " +
+                         std::to_string(options.logits_soft_cap);
+                });
   check.require(std::isfinite(options.sm_scale) && options.sm_scale >= 0.0f, "options.sm_scale",
-                "expected a finite value >= 0 (0 = 1/sqrt(head_dim)), got " +
-                    std::to_string(options.sm_scale));
-  check.require(std::isfinite(options.k_scale) && options.k_scale > 0.0f, "options.k_scale",
-                "expected a finite value > 0, got " + std::to_string(options.k_scale));
-  check.require(std::isfinite(options.v_scale) && options.v_scale > 0.0f, "options.v_scale",
-                "expected a finite value > 0, got " + std::to_string(options.v_scale));
+                [&] {
+                  return "expected a finite value >= 0 (0 = 1/sqrt(head_dim)), got " +
+                         std::to_string(options.sm_scale);
+                });
+  check.require(std::isfinite(options.k_scale) && options.k_scale > 0.0f, "options.k_scale", [&] {
+    return "expected a finite value > 0, got " + std::to_string(options.k_scale);
+  });
+  check.require(std::isfinite(options.v_scale) && options.v_scale > 0.0f, "options.v_scale", [&] {
+    return "expected a finite value > 0, got " + std::to_string(options.v_scale);
+  });
 }
 
 std::vector<int32_t> diffs(std::span<const int32_t> indptr) {
@@ -324,9 +331,10 @@ Plan plan_ragged_prefill(std::span<const int32_t> qo_indptr, std::span<const int
   check_batch_size(check, qo_indptr, "qo_indptr");
   check.indptr(qo_indptr, "qo_indptr");
   check.indptr(kv_indptr, "kv_indptr");
-  check.require(kv_indptr.size() == qo_indptr.size(), "kv_indptr",
-                "expected batch_size + 1 = " + std::to_string(qo_indptr.size()) +
-                    " elements like qo_indptr, got " + std::to_string(kv_indptr.size()));
+  check.require(kv_indptr.size() == qo_indptr.size(), "kv_indptr", [&] {
+    return "expected batch_size + 1 = " + std::to_string(qo_indptr.size()) +
+           " elements like qo_indptr, got " + std::to_string(kv_indptr.size());
+  });
   return build_plan(check, AttentionOp::kRaggedPrefill, diffs(qo_indptr), diffs(kv_indptr),
                     num_qo_heads, num_kv_heads, head_dim, 0, options, device, capacity);
 }
@@ -339,9 +347,10 @@ Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int3
   check_batch_size(check, qo_indptr, "qo_indptr");
   check.indptr(qo_indptr, "qo_indptr");
   std::vector<int32_t> kv_lens = paged_kv_lens(check, page_indptr, last_page_len, page_size);
-  check.require(page_indptr.size() == qo_indptr.size(), "page_indptr",
-                "expected batch_size + 1 = " + std::to_string(qo_indptr.size()) +
-                    " elements like qo_indptr, got " + std::to_string(page_indptr.size()));
+  check.require(page_indptr.size() == qo_indptr.size(), "page_indptr", [&] {
+    return "expected batch_size + 1 = " + std::to_string(qo_indptr.size()) +
+           " elements like qo_indptr, got " + std::to_string(page_indptr.size());
+  });
   return build_plan(check, AttentionOp::kPagedPrefill, diffs(qo_indptr), std::move(kv_lens),
                     num_qo_heads, num_kv_heads, head_dim, page_size, options, device, capacity);
 }
@@ -351,8 +360,9 @@ Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> 
                  const AttentionOptions& options, Device device, int q_per_request,
                  const PlanCapacity& capacity) {
   const ArgChecker check("plan_decode");
-  check.require(q_per_request >= 1 && q_per_request <= 64, "q_per_request",
-                "expected 1..64 query tokens per request, got " + std::to_string(q_per_request));
+  check.require(q_per_request >= 1 && q_per_request <= 64, "q_per_request", [&] {
+    return "expected 1..64 query tokens per request, got " + std::to_string(q_per_request);
+  });
   check_batch_size(check, page_indptr, "page_indptr");
   // Decode finds request b's query rows at b * q_per_request in int32 (AttentionProblem::q_begin).
   const int64_t batch = page_indptr.empty() ? 0 : static_cast<int64_t>(page_indptr.size()) - 1;
@@ -372,12 +382,15 @@ PlanCapacity plan_capacity(AttentionOp op, int max_batch, int64_t max_total_q, i
   const ArgChecker check("plan_capacity");
   detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim);
   detail::check_device_usable(check, device);
-  check.require(max_batch >= 1, "max_batch", "expected >= 1, got " + std::to_string(max_batch));
-  check.require(max_total_q >= 0 && max_total_q <= INT32_MAX, "max_total_q",
-                "expected a value in [0, 2^31 - 1] (query tokens are counted by an int32 "
-                "qo_indptr), got " + std::to_string(max_total_q));
+  check.require(max_batch >= 1, "max_batch",
+                [&] { return "expected >= 1, got " + std::to_string(max_batch); });
+  check.require(max_total_q >= 0 && max_total_q <= INT32_MAX, "max_total_q", [&] {
+    return "expected a value in [0, 2^31 - 1] (query tokens are counted by an int32 "
+           "qo_indptr), got " +
+           std::to_string(max_total_q);
+  });
   check.require(max_kv_len >= 0, "max_kv_len",
-                "expected >= 0, got " + std::to_string(max_kv_len));
+                [&] { return "expected >= 0, got " + std::to_string(max_kv_len); });
   PlanConfig config = detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim);
   if (deterministic) config.deterministic = true;
   PlanCapacity capacity = detail::capacity_bound(max_batch, max_total_q, max_kv_len,
@@ -426,9 +439,10 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
     const std::span<const int32_t> values(host_kv_indptr.data, plan.batch_size + 1);
     check.indptr(values, "kv_indptr");
     check_lengths_match(check, "kv_indptr", diffs(values), plan.kv_lens, "kv_len");
-    check.require(values.back() <= k.shape[0], "kv_indptr",
-                  "kv_indptr[batch_size] = " + std::to_string(values.back()) + " exceeds the " +
-                      std::to_string(k.shape[0]) + " rows of k");
+    check.require(values.back() <= k.shape[0], "kv_indptr", [&] {
+      return "kv_indptr[batch_size] = " + std::to_string(values.back()) + " exceeds the " +
+             std::to_string(k.shape[0]) + " rows of k";
+    });
   }
   check_workspace(check, plan, workspace);
 
@@ -569,13 +583,13 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
   const int64_t batch = kv.page_indptr.shape[0] - 1;
   check.require(batch >= 0, "page_indptr", "expected batch_size + 1 >= 1 elements");
   const int64_t q_per_request = batch > 0 ? q.shape[0] / batch : 1;
-  check.require(batch > 0 ? q.shape[0] % batch == 0 && q_per_request >= 1 &&
-                                q_per_request <= 64
-                          : q.shape[0] == 0,
-                "q",
-                "expected batch_size x q_per_request rows with 1 <= q_per_request <= 64, got " +
-                    std::to_string(q.shape[0]) + " rows for a batch of " +
-                    std::to_string(batch));
+  check.require(
+      batch > 0 ? q.shape[0] % batch == 0 && q_per_request >= 1 && q_per_request <= 64
+                : q.shape[0] == 0,
+      "q", [&] {
+        return "expected batch_size x q_per_request rows with 1 <= q_per_request <= 64, got " +
+               std::to_string(q.shape[0]) + " rows for a batch of " + std::to_string(batch);
+      });
   check.index_array(kv.last_page_len, "last_page_len", batch, q.device);
   const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
   const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);

@@ -28,12 +28,14 @@ constexpr int64_t kMaxRotaryDim = 256;
 
 void check_rope_options(const ArgChecker& check, const RopeOptions& options, int64_t head_dim) {
   const int64_t rotary = options.rotary_dim == 0 ? head_dim : options.rotary_dim;
-  check.require(rotary >= 2 && rotary <= head_dim && rotary % 2 == 0, "rope.rotary_dim",
-                "expected an even value in [2, head_dim = " + std::to_string(head_dim) +
-                    "] (0 = head_dim), got " + std::to_string(options.rotary_dim));
-  check.require(rotary <= kMaxRotaryDim, "rope.rotary_dim",
-                "expected at most " + std::to_string(kMaxRotaryDim) +
-                    " rotated features (0 = head_dim), got " + std::to_string(rotary));
+  check.require(rotary >= 2 && rotary <= head_dim && rotary % 2 == 0, "rope.rotary_dim", [&] {
+    return "expected an even value in [2, head_dim = " + std::to_string(head_dim) +
+           "] (0 = head_dim), got " + std::to_string(options.rotary_dim);
+  });
+  check.require(rotary <= kMaxRotaryDim, "rope.rotary_dim", [&] {
+    return "expected at most " + std::to_string(kMaxRotaryDim) +
+           " rotated features (0 = head_dim), got " + std::to_string(rotary);
+  });
   check.require(std::isfinite(options.rope_theta) && options.rope_theta > 0, "rope.rope_theta",
                 "expected a finite value > 0");
   check.require(std::isfinite(options.rope_scale) && options.rope_scale > 0, "rope.rope_scale",
@@ -59,12 +61,14 @@ constexpr int64_t kMaxOpHeadDim = 4096;
 
 void check_head_extent(const ArgChecker& check, const TensorView& view, const char* name,
                        int heads_index, int head_dim_index) {
-  check.require(view.shape[heads_index] <= kMaxOpHeads, name,
-                "expected num_heads <= " + std::to_string(kMaxOpHeads) + ", got " +
-                    std::to_string(view.shape[heads_index]));
-  check.require(view.shape[head_dim_index] <= kMaxOpHeadDim, name,
-                "expected head_dim <= " + std::to_string(kMaxOpHeadDim) + ", got " +
-                    std::to_string(view.shape[head_dim_index]));
+  check.require(view.shape[heads_index] <= kMaxOpHeads, name, [&] {
+    return "expected num_heads <= " + std::to_string(kMaxOpHeads) + ", got " +
+           std::to_string(view.shape[heads_index]);
+  });
+  check.require(view.shape[head_dim_index] <= kMaxOpHeadDim, name, [&] {
+    return "expected head_dim <= " + std::to_string(kMaxOpHeadDim) + ", got " +
+           std::to_string(view.shape[head_dim_index]);
+  });
 }
 
 // Throws unless `view` is usable on `device` (CUDA present etc.).
@@ -158,14 +162,16 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
     check.dim_is(kv.v_cache, "v_cache", d, kv.k_cache.shape[d], "shape of k_cache");
   }
   const int64_t page_size = kv.k_cache.shape[token_dim];
-  check.require(page_size >= 1 && page_size <= INT32_MAX, "k_cache",
-                "expected page_size in [1, 2^31), got " + std::to_string(page_size));
+  check.require(page_size >= 1 && page_size <= INT32_MAX, "k_cache", [&] {
+    return "expected page_size in [1, 2^31), got " + std::to_string(page_size);
+  });
   check.index_array(append_indptr, "append_indptr", -1, device);
   const int64_t batch = append_indptr.shape[0] - 1;
   // Both backends take the batch size and request indices as int32.
-  check.require(batch >= 0 && batch <= INT32_MAX, "append_indptr",
-                "expected batch_size + 1 in [1, 2^31] elements, got " +
-                    std::to_string(append_indptr.shape[0]));
+  check.require(batch >= 0 && batch <= INT32_MAX, "append_indptr", [&] {
+    return "expected batch_size + 1 in [1, 2^31] elements, got " +
+           std::to_string(append_indptr.shape[0]);
+  });
   check.index_array(kv.page_indptr, "page_indptr", batch + 1, device);
   check.index_array(kv.page_indices, "page_indices", -1, device);
   check.index_array(kv.last_page_len, "last_page_len", batch, device);
@@ -177,9 +183,10 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
     // Host arrays can be checked completely before anything is written.
     const int32_t* append = append_indptr.ptr<const int32_t>();
     check.indptr(std::span<const int32_t>(append, batch + 1), "append_indptr");
-    check.require(append[batch] == k_new.shape[0], "append_indptr",
-                  "append_indptr[batch_size] = " + std::to_string(append[batch]) +
-                      " must equal the " + std::to_string(k_new.shape[0]) + " rows of k_new");
+    check.require(append[batch] == k_new.shape[0], "append_indptr", [&] {
+      return "append_indptr[batch_size] = " + std::to_string(append[batch]) + " must equal the " +
+             std::to_string(k_new.shape[0]) + " rows of k_new";
+    });
     const std::span<const int32_t> pages(cache.page_indptr, batch + 1);
     check.indptr(pages, "page_indptr");
     check.require(pages.back() <= kv.page_indices.shape[0], "page_indices",
@@ -188,9 +195,10 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
       const int64_t num_pages = pages[b + 1] - pages[b];
       if (num_pages > 0) {
         check.require(cache.last_page_len[b] >= 1 && cache.last_page_len[b] <= page_size,
-                      "last_page_len",
-                      "expected values in [1, page_size], got last_page_len[" +
-                          std::to_string(b) + "] = " + std::to_string(cache.last_page_len[b]));
+                      "last_page_len", [&] {
+                        return "expected values in [1, page_size], got last_page_len[" +
+                               std::to_string(b) + "] = " + std::to_string(cache.last_page_len[b]);
+                      });
       }
       // KVSource::kv_len is int32: count in 64 bits first (attention rejects such requests too).
       const int64_t kv_len =
@@ -198,18 +206,19 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
       check.require(kv_len <= INT32_MAX, "page_indptr", [&] {
         return "request " + std::to_string(b) + " holds more than 2^31 - 1 keys";
       });
-      check.require(kv_len >= append[b + 1] - append[b], "page_indptr",
-                    "request " + std::to_string(b) + " appends " +
-                        std::to_string(append[b + 1] - append[b]) +
-                        " rows but its pages hold only " + std::to_string(kv_len) +
-                        " (the page table must describe the cache after the append)");
+      check.require(kv_len >= append[b + 1] - append[b], "page_indptr", [&] {
+        return "request " + std::to_string(b) + " appends " +
+               std::to_string(append[b + 1] - append[b]) + " rows but its pages hold only " +
+               std::to_string(kv_len) +
+               " (the page table must describe the cache after the append)";
+      });
     }
     for (int32_t i = 0; i < pages.back(); ++i) {
       const int32_t page = cache.page_indices[i];
-      check.require(page >= 0 && page < kv.k_cache.shape[0], "page_indices",
-                    "entry " + std::to_string(i) + " = " + std::to_string(page) +
-                        " is out of range [0, num_pages = " +
-                        std::to_string(kv.k_cache.shape[0]) + ")");
+      check.require(page >= 0 && page < kv.k_cache.shape[0], "page_indices", [&] {
+        return "entry " + std::to_string(i) + " = " + std::to_string(page) +
+               " is out of range [0, num_pages = " + std::to_string(kv.k_cache.shape[0]) + ")";
+      });
     }
     detail::cpu_append_paged_kv(k_new, v_new, append, cache, static_cast<int32_t>(batch),
                                 static_cast<int32_t>(k_new.shape[1]),
@@ -233,9 +242,11 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
   check_usable(check, device);
   check.device_is(block_table, "block_table", device);
   const int64_t batch = block_table.shape[0], max_pages = block_table.shape[1];
-  check.require(max_pages <= INT32_MAX, "block_table",
-                "expected max_pages < 2^31 columns, got " + std::to_string(max_pages));
-  check.require(page_size >= 1, "page_size", "expected >= 1, got " + std::to_string(page_size));
+  check.require(max_pages <= INT32_MAX, "block_table", [&] {
+    return "expected max_pages < 2^31 columns, got " + std::to_string(max_pages);
+  });
+  check.require(page_size >= 1, "page_size",
+                [&] { return "expected >= 1, got " + std::to_string(page_size); });
   check.index_array(seq_lens, "seq_lens", batch, device);
   check.index_array(page_indptr, "page_indptr", batch + 1, device);
   check.index_array(page_indices, "page_indices", -1, device);
@@ -244,35 +255,40 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
     const int32_t* lens = seq_lens.ptr<const int32_t>();
     int64_t total_pages = 0;
     for (int64_t b = 0; b < batch; ++b) {
-      check.require(lens[b] >= 0, "seq_lens",
-                    "expected lengths >= 0, got seq_lens[" + std::to_string(b) +
-                        "] = " + std::to_string(lens[b]));
+      check.require(lens[b] >= 0, "seq_lens", [&] {
+        return "expected lengths >= 0, got seq_lens[" + std::to_string(b) +
+               "] = " + std::to_string(lens[b]);
+      });
       const int64_t pages = (static_cast<int64_t>(lens[b]) + page_size - 1) / page_size;
-      check.require(pages <= max_pages, "seq_lens",
-                    "seq_lens[" + std::to_string(b) + "] = " + std::to_string(lens[b]) +
-                        " needs " + std::to_string(pages) + " pages but block_table has " +
-                        std::to_string(max_pages) + " columns");
+      check.require(pages <= max_pages, "seq_lens", [&] {
+        return "seq_lens[" + std::to_string(b) + "] = " + std::to_string(lens[b]) + " needs " +
+               std::to_string(pages) + " pages but block_table has " + std::to_string(max_pages) +
+               " columns";
+      });
       total_pages += pages;
       check.require(total_pages <= INT32_MAX, "seq_lens", [&] {
         return "requests 0.." + std::to_string(b) + " need " + std::to_string(total_pages) +
                " pages, more than page_indptr (int32) can count";
       });
     }
-    check.require(total_pages <= page_indices.shape[0], "page_indices",
-                  "expected room for " + std::to_string(total_pages) + " entries, got " +
-                      std::to_string(page_indices.shape[0]));
+    check.require(total_pages <= page_indices.shape[0], "page_indices", [&] {
+      return "expected room for " + std::to_string(total_pages) + " entries, got " +
+             std::to_string(page_indices.shape[0]);
+    });
     detail::cpu_block_table_to_csr(block_table, lens, page_size, page_indptr.ptr<int32_t>(),
                                    page_indices.ptr<int32_t>(), last_page_len.ptr<int32_t>());
     return;
   }
   // On the device seq_lens cannot be read: any row may fill all its columns, and the kernels'
   // running page count becomes page_indptr (int32).
-  check.require(max_pages == 0 || batch <= INT32_MAX / max_pages, "block_table",
-                "expected batch_size x max_pages <= 2^31 - 1 (page_indptr is int32), got " +
-                    std::to_string(batch) + " x " + std::to_string(max_pages));
-  check.require(page_indices.shape[0] >= batch * max_pages, "page_indices",
-                "expected room for batch_size x max_pages = " + std::to_string(batch * max_pages) +
-                    " entries, got " + std::to_string(page_indices.shape[0]));
+  check.require(max_pages == 0 || batch <= INT32_MAX / max_pages, "block_table", [&] {
+    return "expected batch_size x max_pages <= 2^31 - 1 (page_indptr is int32), got " +
+           std::to_string(batch) + " x " + std::to_string(max_pages);
+  });
+  check.require(page_indices.shape[0] >= batch * max_pages, "page_indices", [&] {
+    return "expected room for batch_size x max_pages = " + std::to_string(batch * max_pages) +
+           " entries, got " + std::to_string(page_indices.shape[0]);
+  });
 #if defined(TESSERA_HAVE_CUDA)
   detail::cuda_block_table_to_csr(block_table, seq_lens.ptr<const int32_t>(), page_size,
                                   page_indptr.ptr<int32_t>(), page_indices.ptr<int32_t>(),
@@ -323,9 +339,10 @@ void merge_states(const TensorView& states, const TensorView& lse, const TensorV
   if (on_cpu(states)) {
     const int64_t last =
         check.indptr(std::span<const int32_t>(indptr.ptr<const int32_t>(), rows + 1), "indptr");
-    check.require(last <= num_states, "indptr",
-                  "indptr[N] = " + std::to_string(last) + " exceeds the " +
-                      std::to_string(num_states) + " states");
+    check.require(last <= num_states, "indptr", [&] {
+      return "indptr[N] = " + std::to_string(last) + " exceeds the " + std::to_string(num_states) +
+             " states";
+    });
     detail::cpu_merge_states(states, lse.ptr<const float>(), indptr.ptr<const int32_t>(), o_out,
                              lse_out_ptr);
     return;

@@ -138,17 +138,19 @@ void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, in
   // The planner makes a work item per (query tile, kv head): bounded like the ops' heads, so a
   // head count alone cannot make a plan of billions of items.
   constexpr int kMaxHeads = 65536;
-  check.require(
-      num_qo_heads >= 1 && num_qo_heads <= kMaxHeads, "num_qo_heads",
-      "expected 1.." + std::to_string(kMaxHeads) + ", got " + std::to_string(num_qo_heads));
+  check.require(num_qo_heads >= 1 && num_qo_heads <= kMaxHeads, "num_qo_heads", [&] {
+    return "expected 1.." + std::to_string(kMaxHeads) + ", got " + std::to_string(num_qo_heads);
+  });
   check.require(num_kv_heads >= 1, "num_kv_heads",
-                "expected >= 1, got " + std::to_string(num_kv_heads));
-  check.require(num_qo_heads % num_kv_heads == 0, "num_qo_heads",
-                "expected a multiple of num_kv_heads (GQA ratio must be an integer), got " +
-                    std::to_string(num_qo_heads) + " query heads for " +
-                    std::to_string(num_kv_heads) + " kv heads");
-  check.require(head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0, "head_dim",
-                "expected a multiple of 8 in [8, 256], got " + std::to_string(head_dim));
+                [&] { return "expected >= 1, got " + std::to_string(num_kv_heads); });
+  check.require(num_qo_heads % num_kv_heads == 0, "num_qo_heads", [&] {
+    return "expected a multiple of num_kv_heads (GQA ratio must be an integer), got " +
+           std::to_string(num_qo_heads) + " query heads for " + std::to_string(num_kv_heads) +
+           " kv heads";
+  });
+  check.require(head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0, "head_dim", [&] {
+    return "expected a multiple of 8 in [8, 256], got " + std::to_string(head_dim);
+  });
 }
 
 }  // namespace tessera::detail

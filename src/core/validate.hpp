@@ -28,9 +28,8 @@ class ArgChecker {
 
   [[noreturn]] void fail(std::string_view arg, const std::string& message) const;
   [[noreturn]] void unsupported(std::string_view arg, const std::string& message) const;
-  void require(bool condition, std::string_view arg, const std::string& message) const {
-    if (!condition) fail(arg, message);
-  }
+  // A fixed message; a formatted one goes through the lazy overload below (no eager
+  // std::string overload: it would format on every passing call).
   void require(bool condition, std::string_view arg, const char* message) const {
     if (!condition) fail(arg, message);
   }

@@ -89,10 +89,11 @@ void check_communicator(const ArgChecker& check, const detail::NcclApi& nccl, vo
   int count = 0, user_rank = 0;
   detail::nccl_check(nccl, nccl.comm_count(comm, &count), "ncclCommCount");
   detail::nccl_check(nccl, nccl.comm_user_rank(comm, &user_rank), "ncclCommUserRank");
-  check.require(count == world_size && user_rank == rank, "nccl_comm",
-                "expected a communicator of " + std::to_string(world_size) +
-                    " ranks at rank " + std::to_string(rank) + ", got " + std::to_string(count) +
-                    " ranks at rank " + std::to_string(user_rank));
+  check.require(count == world_size && user_rank == rank, "nccl_comm", [&] {
+    return "expected a communicator of " + std::to_string(world_size) + " ranks at rank " +
+           std::to_string(rank) + ", got " + std::to_string(count) + " ranks at rank " +
+           std::to_string(user_rank);
+  });
 }
 
 #endif  // TESSERA_HAVE_CUDA
@@ -119,8 +120,9 @@ void run_context_parallel_prefill(const ContextParallelPlan& plan, const TensorV
                                   const TensorView& lse, Workspace workspace, void* nccl_comm,
                                   void* stream) {
   const ArgChecker check("run_context_parallel_prefill");
-  check.require(plan.device.type == DeviceType::kCUDA, "plan",
-                "expected a plan for a CUDA device, got " + device_name(plan.device));
+  check.require(plan.device.type == DeviceType::kCUDA, "plan", [&] {
+    return "expected a plan for a CUDA device, got " + device_name(plan.device);
+  });
   for (const auto& [view, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&o, "o"}}) {
     check_cuda_view(check, *view, name);
   }
@@ -128,9 +130,11 @@ void run_context_parallel_prefill(const ContextParallelPlan& plan, const TensorV
 #if !defined(TESSERA_HAVE_CUDA)
   no_cuda(check);
 #else
-  check.require(workspace.bytes >= plan.workspace_bytes && workspace.data != nullptr,
-                "workspace", "expected at least " + std::to_string(plan.workspace_bytes) +
-                                 " bytes, got " + std::to_string(workspace.bytes));
+  check.require(workspace.bytes >= plan.workspace_bytes && workspace.data != nullptr, "workspace",
+                [&] {
+                  return "expected at least " + std::to_string(plan.workspace_bytes) +
+                         " bytes, got " + std::to_string(workspace.bytes);
+                });
   const int32_t n = plan.world_size(), rank = plan.rank;
   for (const auto& [view, name] : {std::pair{&k, "k"}, {&v, "v"}}) {
     check.tensor(*view, name, 3, "[local_rows, num_kv_heads, head_dim]");
@@ -201,8 +205,9 @@ void run_context_parallel_decode(const Plan& local_plan, int world_size, int ran
                                  const TensorView& o, const TensorView& lse,
                                  Workspace workspace, void* nccl_comm, void* stream) {
   const ArgChecker check("run_context_parallel_decode");
-  check.require(local_plan.device.type == DeviceType::kCUDA, "local_plan",
-                "expected a plan for a CUDA device, got " + device_name(local_plan.device));
+  check.require(local_plan.device.type == DeviceType::kCUDA, "local_plan", [&] {
+    return "expected a plan for a CUDA device, got " + device_name(local_plan.device);
+  });
   check_cuda_view(check, q, "q");
   check_cuda_view(check, o, "o");
   check_cuda_view(check, lse, "lse", true);
@@ -210,7 +215,7 @@ void run_context_parallel_decode(const Plan& local_plan, int world_size, int ran
   no_cuda(check);
 #else
   check.require(rank >= 0 && rank < world_size, "rank",
-                "expected 0 <= rank < world_size = " + std::to_string(world_size));
+                [&] { return "expected 0 <= rank < world_size = " + std::to_string(world_size); });
   check.require(workspace.bytes >= context_parallel_decode_workspace_bytes(local_plan, world_size,
                                                                            q.dtype),
                 "workspace", "expected context_parallel_decode_workspace_bytes() bytes");

@@ -35,9 +35,10 @@ TensorView row_slice(const TensorView& view, int64_t begin, int64_t rows) {
 
 void check_workspace(const ArgChecker& check, Workspace workspace, size_t needed) {
   check.require(workspace.bytes >= needed && (needed == 0 || workspace.data != nullptr),
-                "workspace",
-                "expected at least " + std::to_string(needed) + " bytes, got " +
-                    std::to_string(workspace.bytes));
+                "workspace", [&] {
+                  return "expected at least " + std::to_string(needed) + " bytes, got " +
+                         std::to_string(workspace.bytes);
+                });
 }
 
 void check_plan_tensor(const ArgChecker& check, const ContextParallelPlan& plan,
@@ -49,9 +50,10 @@ void check_plan_tensor(const ArgChecker& check, const ContextParallelPlan& plan,
   if (exact_rows) {
     check.dim_is(view, name, 0, min_rows, "rows");
   } else {
-    check.require(view.shape[0] >= min_rows, name,
-                  "expected at least " + std::to_string(min_rows) + " rows, got " +
-                      std::to_string(view.shape[0]));
+    check.require(view.shape[0] >= min_rows, name, [&] {
+      return "expected at least " + std::to_string(min_rows) + " rows, got " +
+             std::to_string(view.shape[0]);
+    });
   }
   check.dim_is(view, name, 1, heads, "heads");
   check.dim_is(view, name, 2, plan.head_dim, "head_dim");
@@ -94,7 +96,7 @@ TensorView context_parallel_kv_slot(const ContextParallelPlan& plan, Workspace w
                                     int32_t slot, bool value) {
   const ArgChecker check("context_parallel_kv_slot");
   check.require(slot >= 0 && slot < plan.num_kv_slots, "slot",
-                "expected 0 <= slot < " + std::to_string(plan.num_kv_slots));
+                [&] { return "expected 0 <= slot < " + std::to_string(plan.num_kv_slots); });
   check_workspace(check, workspace, plan.workspace_bytes);
   const int64_t rows = plan.sharding.max_rank_length();
   const size_t half = static_cast<size_t>(rows) * plan.num_kv_heads * plan.head_dim *
@@ -122,8 +124,9 @@ void run_context_parallel_step(const ContextParallelPlan& plan, int32_t step,
                                const TensorView& q, const TensorView& k_shard,
                                const TensorView& v_shard, Workspace workspace, void* stream) {
   const ArgChecker check("run_context_parallel_step");
-  check.require(step >= 0 && step < plan.world_size(), "step",
-                "expected 0 <= step < world_size = " + std::to_string(plan.world_size()));
+  check.require(step >= 0 && step < plan.world_size(), "step", [&] {
+    return "expected 0 <= step < world_size = " + std::to_string(plan.world_size());
+  });
   check_workspace(check, workspace, plan.workspace_bytes);
   const int64_t source_rows = plan.sharding.rank_length(plan.source_rank(step));
   check_plan_tensor(check, plan, q, "q", plan.local_rows(), plan.num_qo_heads, true);
@@ -186,11 +189,12 @@ DecodeLayout decode_layout(const ArgChecker& check, const Plan& plan, int world_
                            DType dtype) {
   check.require(plan.op == AttentionOp::kDecode, "local_plan", "expected a plan_decode plan");
   check.require(world_size >= 1 && world_size <= 4096, "world_size",
-                "expected 1..4096 ranks, got " + std::to_string(world_size));
-  check.require(dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
-                    dtype == DType::kFloat32,
-                "dtype", std::string("expected q's dtype (float16, bfloat16 or float32), got ") +
-                             dtype_name(dtype));
+                [&] { return "expected 1..4096 ranks, got " + std::to_string(world_size); });
+  check.require(dtype == DType::kFloat16 || dtype == DType::kBFloat16 || dtype == DType::kFloat32,
+                "dtype", [&] {
+                  return std::string("expected q's dtype (float16, bfloat16 or float32), got ") +
+                         dtype_name(dtype);
+                });
   if (plan.options.causal) {
     for (const int32_t q_len : plan.q_lens) {
       if (q_len > 1) {
@@ -229,7 +233,7 @@ TensorView context_parallel_decode_slot(const Plan& local_plan, int world_size, 
   const DecodeLayout layout = decode_layout(check, local_plan, world_size, dtype);
   check_workspace(check, workspace, layout.total);
   check.require(slot >= 0 && slot < world_size, "slot",
-                "expected 0 <= slot < world_size = " + std::to_string(world_size));
+                [&] { return "expected 0 <= slot < world_size = " + std::to_string(world_size); });
   if (lse) {
     return make_view(at(workspace, layout.lse_offset + layout.lse_slot_bytes * slot),
                      DType::kFloat32, {layout.rows, local_plan.num_qo_heads}, local_plan.device);
@@ -244,7 +248,7 @@ void run_context_parallel_decode_local(const Plan& local_plan, int world_size, i
                                        Workspace workspace, void* stream) {
   const ArgChecker check("run_context_parallel_decode_local");
   check.require(rank >= 0 && rank < world_size, "rank",
-                "expected 0 <= rank < world_size = " + std::to_string(world_size));
+                [&] { return "expected 0 <= rank < world_size = " + std::to_string(world_size); });
   check.tensor(q, "q", 3, "[rows, num_qo_heads, head_dim]");
   const DecodeLayout layout = decode_layout(check, local_plan, world_size, q.dtype);
   check_workspace(check, workspace, layout.total);

@@ -171,9 +171,9 @@ int64_t ZigzagSharding::global_position(int32_t rank, int64_t local_row) const {
 ZigzagSharding make_zigzag_sharding(int64_t seq_len, int world_size) {
   const ArgChecker check("make_zigzag_sharding");
   check.require(world_size >= 1 && world_size <= 4096, "world_size",
-                "expected 1..4096 ranks, got " + std::to_string(world_size));
+                [&] { return "expected 1..4096 ranks, got " + std::to_string(world_size); });
   check.require(seq_len >= 0 && seq_len <= INT32_MAX, "seq_len",
-                "expected 0 <= seq_len < 2^31, got " + std::to_string(seq_len));
+                [&] { return "expected 0 <= seq_len < 2^31, got " + std::to_string(seq_len); });
   return ZigzagSharding{seq_len, world_size};
 }
 
@@ -239,15 +239,17 @@ ContextParallelPlan plan_context_parallel_prefill(int64_t seq_len, int world_siz
   const ArgChecker check("plan_context_parallel_prefill");
   ContextParallelPlan plan;
   plan.sharding = make_zigzag_sharding(seq_len, world_size);
-  check.require(rank >= 0 && rank < world_size, "rank",
-                "expected 0 <= rank < world_size = " + std::to_string(world_size) + ", got " +
-                    std::to_string(rank));
+  check.require(rank >= 0 && rank < world_size, "rank", [&] {
+    return "expected 0 <= rank < world_size = " + std::to_string(world_size) + ", got " +
+           std::to_string(rank);
+  });
   detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim);
   check.require(dtype == DType::kFloat16 || dtype == DType::kBFloat16 ||
                     (dtype == DType::kFloat32 && device.type == DeviceType::kCPU),
-                "dtype",
-                std::string("expected float16 or bfloat16 (float32 on the CPU), got ") +
-                    dtype_name(dtype));
+                "dtype", [&] {
+                  return std::string("expected float16 or bfloat16 (float32 on the CPU), got ") +
+                         dtype_name(dtype);
+                });
   if (options.window_left != -1 || options.window_right != -1) {
     check.unsupported("options.window_left",
                       "a sliding window is not supported by context-parallel prefill");
