@@ -33,8 +33,9 @@ bool cuda_available();
 int cuda_device_count();
 
 // The id of the CUDA graph capture in progress on `stream` (a cudaStream_t; the CUDA runtime's
-// capture sequence id, unique per capture in the process), or 0 when the stream is not being
-// captured. 0 in a CPU-only build or without a CUDA device. Integrations use it to share what one capture makes.
+// capture sequence id, unique per capture in the process), or 0 when no capture is active on it.
+// 0 in a CPU-only build or without a CUDA device. Integrations use it to share what one capture
+// makes.
 uint64_t cuda_stream_capture_id(void* stream);
 
 // A short description of a device ("cpu: 2 threads, avx512", "cuda:0 NVIDIA H200 sm_90, 132 SMs").

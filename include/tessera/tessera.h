@@ -71,9 +71,11 @@ TESSERA_API const char* tessera_version(void);
 TESSERA_API int tessera_abi_version(void);
 /* Visible CUDA devices; 0 in a CPU-only build or without a driver. */
 TESSERA_API int tessera_cuda_device_count(void);
-/* *capture_id = the id of the CUDA graph capture in progress on `stream` (a cudaStream_t; unique
- * per capture in the process), 0 when it is not being captured, in a CPU-only build or without
- * a CUDA device. */
+/* *capture_id = the id of the CUDA graph capture in progress on `stream` (a cudaStream_t; NULL is
+ * the legacy default stream; unique per capture in the process), 0 when no capture is active on
+ * it (none, or one invalidated by a prohibited call), in a CPU-only build or without a CUDA
+ * device. Querying the legacy stream while another stream captures in global mode fails with
+ * TESSERA_ERROR_RUNTIME (the CUDA error is not left pending). */
 TESSERA_API tessera_status tessera_stream_capture_id(void* stream, uint64_t* capture_id);
 
 /* ---- options ---- */

@@ -37,10 +37,17 @@ uint64_t cuda_stream_capture_id(void* stream) {
   if (count == 0) return 0;  // no device, no capture (and no driver to ask)
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
-  check_cuda(cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &id),
-             "cudaStreamGetCaptureInfo");
-  // An invalidated capture (a prohibited call broke it) still has its id until it ends.
-  return status == cudaStreamCaptureStatusNone ? 0 : static_cast<uint64_t>(id);
+  const cudaError_t error =
+      cudaStreamGetCaptureInfo(static_cast<cudaStream_t>(stream), &status, &id);
+  if (error != cudaSuccess) {
+    // E.g. the legacy stream while another stream of its device captures globally: report it
+    // without leaving the error for the next launch check (ours or the caller's) to find.
+    cudaGetLastError();
+    check_cuda(error, "cudaStreamGetCaptureInfo");
+  }
+  // The id is defined only while the capture is active (not once a prohibited call has
+  // invalidated it).
+  return status == cudaStreamCaptureStatusActive ? static_cast<uint64_t>(id) : 0;
 }
 
 const CudaDeviceInfo& cuda_device_info(int device) {

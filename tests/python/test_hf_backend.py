@@ -85,20 +85,21 @@ def test_dense_plan_index_arrays_and_cache():
     one capture and held for its replays."""
     cpu = torch.device("cpu")
     options = attention_options(True, -1, -1, 0.0, None)
-    prefill = hf._dense_plan(torch, cpu, 0, 0, 3, 70, 90, 4, 2, 32, options)
+    prefill = hf._dense_plan(torch, cpu, 0, None, 3, 70, 90, 4, 2, 32, options)
     page_indptr, page_indices, last_page_len, qo_indptr = prefill.tensors
     assert not prefill.decode
     assert page_indptr.dtype == torch.int32 and page_indptr.tolist() == [0, 1, 2, 3]
     assert page_indices.tolist() == [0, 1, 2]
     assert last_page_len.tolist() == [90, 90, 90]
     assert qo_indptr.tolist() == [0, 70, 140, 210]
-    assert hf._dense_plan(torch, cpu, 0, 0, 3, 70, 90, 4, 2, 32, options) is prefill
-    decode = hf._dense_plan(torch, cpu, 0, 0, 2, 1, 41, 4, 2, 32, options)
+    assert hf._dense_plan(torch, cpu, 0, None, 3, 70, 90, 4, 2, 32, options) is prefill
+    decode = hf._dense_plan(torch, cpu, 0, None, 2, 1, 41, 4, 2, 32, options)
     assert decode.decode and len(decode.tensors) == 3 and decode.dls[3] is None
     assert [t.tolist() for t in decode.tensors] == [[0, 1, 2], [0, 1], [41, 41]]
     # Another stream, another plan (its arrays are written on that stream).
-    assert hf._dense_plan(torch, cpu, 7, 0, 2, 1, 41, 4, 2, 32, options) is not decode
+    assert hf._dense_plan(torch, cpu, 7, None, 2, 1, 41, 4, 2, 32, options) is not decode
     assert len(hf._PLANS) == 3
+    # Made in a capture: shared by that capture's layers, not by another capture, not cached.
     captured = hf._dense_plan(torch, cpu, 5, 11, 2, 1, 41, 4, 2, 32, options)
     assert hf._dense_plan(torch, cpu, 5, 11, 2, 1, 41, 4, 2, 32, options) is captured
     other_capture = hf._dense_plan(torch, cpu, 5, 12, 2, 1, 41, 4, 2, 32, options)
@@ -106,9 +107,12 @@ def test_dense_plan_index_arrays_and_cache():
     assert len(hf._PLANS) == 3 and len(hf._GRAPH_PLANS) == 2
     # A plan cached before the capture serves it and is held for its replays.
     assert hf._dense_plan(torch, cpu, 0, 13, 2, 1, 41, 4, 2, 32, options) is decode
-    assert len(hf._GRAPH_PLANS) == 3 and hf._GRAPH_PLANS[(13,) + next(
-        key for key, value in hf._PLANS.items() if value is decode)] is decode
-    assert len(hf._PLANS) == 3
+    decode_key = next(key for key, value in hf._PLANS.items() if value is decode)
+    assert len(hf._GRAPH_PLANS) == 3 and hf._GRAPH_PLANS[(13,) + decode_key] is decode
+    # An invalidated capture (CUDA reports no active capture: id 0) shares and keeps nothing.
+    broken = hf._dense_plan(torch, cpu, 5, 0, 2, 1, 41, 4, 2, 32, options)
+    assert hf._dense_plan(torch, cpu, 5, 0, 2, 1, 41, 4, 2, 32, options) is not broken
+    assert len(hf._PLANS) == 3 and len(hf._GRAPH_PLANS) == 3
 
 
 class _FakePlan:

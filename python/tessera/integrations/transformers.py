@@ -224,22 +224,23 @@ _PLANS: "OrderedDict[Tuple, _DensePlan]" = OrderedDict()
 _GRAPH_PLANS: Dict[Tuple, _DensePlan] = {}
 
 
-def _dense_plan(torch: Any, device: Any, stream: int, capture_id: int, batch: int, seqlen_q: int,
-                seqlen_kv: int, heads: int, kv_heads: int, dim: int,
+def _dense_plan(torch: Any, device: Any, stream: int, capture: Optional[int], batch: int,
+                seqlen_q: int, seqlen_kv: int, heads: int, kv_heads: int, dim: int,
                 options: _capi.AttentionOptions) -> _DensePlan:
-    """The plan of a dense batch; capture_id: the CUDA graph capture in progress on the stream
-    (0: none)."""
+    """The plan of a dense batch. capture: None outside a CUDA graph capture, else the id of the
+    capture in progress on the stream (0 when CUDA reports none active, e.g. an invalidated
+    capture: its plans are then neither shared nor cached)."""
     key = (str(device), stream, batch, seqlen_q, seqlen_kv, heads, kv_heads, dim, options.causal,
            options.window_left, options.logits_soft_cap, options.sm_scale)
-    if capture_id:
-        entry = _GRAPH_PLANS.get((capture_id,) + key)
+    if capture:
+        entry = _GRAPH_PLANS.get((capture,) + key)
         if entry is not None:
             return entry  # an earlier layer of this capture made or took it
     entry = _PLANS.get(key)
     if entry is not None:
         _PLANS.move_to_end(key)
-        if capture_id:
-            _GRAPH_PLANS[(capture_id,) + key] = entry
+        if capture:
+            _GRAPH_PLANS[(capture,) + key] = entry
         return entry
     device_type, device_id = (kDLCUDA, device.index or 0) if device.type == "cuda" else (kDLCPU, 0)
     page_indptr = np.arange(batch + 1, dtype=np.int32)
@@ -274,10 +275,12 @@ def _dense_plan(torch: Any, device: Any, stream: int, capture_id: int, batch: in
     if qo_indptr is None:
         dls = dls + (None,)
     entry = _DensePlan(plan, decode, tuple(tensors), dls)
-    if capture_id:
+    if capture is not None:
         # Made inside a capture: the index arrays get their values only when the graph replays
-        # (before the first layer that uses them), so this plan serves this capture only.
-        _GRAPH_PLANS[(capture_id,) + key] = entry
+        # (before the first layer that uses them), so this plan serves this capture only (an
+        # invalidated capture, which will not replay, shares and keeps nothing).
+        if capture:
+            _GRAPH_PLANS[(capture,) + key] = entry
         return entry
     _PLANS[key] = entry
     while len(_PLANS) > _MAX_PLANS:
@@ -362,11 +365,11 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
     cuda = device.type == "cuda"
     device_index = (device.index or 0) if cuda else 0
     stream = torch_stream(device_index) if cuda else 0
-    capture_id = (_capi.stream_capture_id(stream)
-                  if cuda and torch_stream_capturing(device_index) else 0)
-    entry = _dense_plan(torch, device, stream, capture_id, batch, seqlen_q, seqlen_kv, heads,
+    capturing = cuda and torch_stream_capturing(device_index)
+    capture = _capi.stream_capture_id(stream) if capturing else None
+    entry = _dense_plan(torch, device, stream, capture, batch, seqlen_q, seqlen_kv, heads,
                         kv_heads, dim, options)
-    if cuda and not capture_id:
+    if cuda and not capturing:
         # Steady state: the shared workspace already holds this plan's lists (uploaded once per
         # plan, not once per layer), so the run only launches kernels.
         shared = _shared_workspace(torch, device, stream, entry)
