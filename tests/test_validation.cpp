@@ -476,6 +476,16 @@ TEST_F(ValidationTest, PageSizeDiffersFromPlan) {
   expect_invalid([&] { run_decode_call(); }, "k_cache");
 }
 
+TEST_F(ValidationTest, HandBuiltPlanWithoutPageSize) {
+  // A plan edited by hand to page_size 0, with a cache of 0-token pages to match: refused by
+  // name (the run's page count divides by it).
+  decode_plan.page_size = 0;
+  for (TensorView* view : {&cache.k_cache, &cache.v_cache}) {
+    *view = make_view(view->data, DType::kFloat32, {kNumPages, 0, kKvHeads, kHeadDim});
+  }
+  expect_invalid([&] { run_decode_call(); }, "plan");
+}
+
 TEST_F(ValidationTest, PageSizeZeroInPlan) {
   expect_invalid(
       [&] {

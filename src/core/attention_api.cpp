@@ -1,4 +1,5 @@
 // The public attention entry points: validate -> plan -> dispatch.
+#include <bit>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -261,6 +262,7 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
   const std::string_view layout = nhd ? "[num_pages, page_size, num_kv_heads, head_dim] (NHD)"
                                       : "[num_pages, num_kv_heads, page_size, head_dim] (HND)";
   const int token_dim = nhd ? 1 : 2, head_dim_index = nhd ? 2 : 1;
+  check.require(plan.page_size >= 1, "plan", "expected a paged plan with page_size >= 1");
   for (const auto& [view, name] : {std::pair{kv.k_cache, "k_cache"}, {kv.v_cache, "v_cache"}}) {
     check.tensor(view, name, 4, layout);
     check.device_is(view, name, plan.device);
@@ -274,9 +276,15 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
   check.index_array(kv.page_indptr, "page_indptr", plan.batch_size + 1, plan.device);
   check.index_array(kv.page_indices, "page_indices", -1, plan.device);
   check.index_array(kv.last_page_len, "last_page_len", plan.batch_size, plan.device);
+  // Per run and O(batch): a shift for the usual power-of-two page sizes (vectorised), counted
+  // in 64 bits (a length near 2^31 must not wrap).
   int64_t planned_pages = 0;
-  for (int32_t len : plan.kv_lens) {
-    planned_pages += (int64_t{len} + plan.page_size - 1) / plan.page_size;  // sum past int32
+  const int64_t page_size = plan.page_size;
+  if (page_size > 0 && std::has_single_bit(static_cast<uint64_t>(page_size))) {
+    const int shift = std::countr_zero(static_cast<uint64_t>(page_size));
+    for (int32_t len : plan.kv_lens) planned_pages += (int64_t{len} + page_size - 1) >> shift;
+  } else {
+    for (int32_t len : plan.kv_lens) planned_pages += (int64_t{len} + page_size - 1) / page_size;
   }
   check.require(kv.page_indices.shape[0] >= planned_pages, "page_indices", [&] {
     return "expected at least " + std::to_string(planned_pages) +

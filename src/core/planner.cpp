@@ -623,9 +623,10 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
     // Work items and merges index partial rows in 32 bits (a workspace of >= 2^31 rows of
     // head_dim floats, 1 TiB at head_dim 128, is out of reach anyway).
     if (plan.num_partial_rows > INT32_MAX) {
-      check.unsupported("kv_lens", "the split-KV plan needs " +
-                                       std::to_string(plan.num_partial_rows) +
-                                       "+ partial rows, more than 2^31 - 1");
+      check.unsupported(shape.op == AttentionOp::kRaggedPrefill ? "kv_indptr" : "page_indptr",
+                        "the batch's split-KV plan needs " +
+                            std::to_string(plan.num_partial_rows) +
+                            "+ partial rows, more than 2^31 - 1");
     }
   }
   const std::vector<int32_t>& owner = best->owner;
