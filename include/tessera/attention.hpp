@@ -200,7 +200,8 @@ Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> 
 // Capacity that every plan of `op` fits whose batch has at most max_batch requests, at most
 // max_total_q query tokens in all (decode: max_batch x q_per_request) and at most max_kv_len keys
 // per request, for these heads on `device` (an upper bound from the planner's rules: it may
-// overestimate, never underestimate). `deterministic` is copied into the result.
+// overestimate, never underestimate; saturated at 2^31 - 1 work items, merges and partial rows,
+// the most a plan may have). max_total_q <= 2^31 - 1. `deterministic` is copied into the result.
 PlanCapacity plan_capacity(AttentionOp op, int max_batch, int64_t max_total_q, int max_kv_len,
                            int num_qo_heads, int num_kv_heads, int head_dim, Device device = {},
                            bool deterministic = false);

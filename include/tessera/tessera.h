@@ -94,7 +94,7 @@ typedef struct tessera_attention_options {
 TESSERA_API void tessera_attention_options_default(tessera_attention_options* options);
 
 typedef struct tessera_rope_options {
-  int32_t rotary_dim; /* 0 = head_dim; otherwise even and <= head_dim */
+  int32_t rotary_dim; /* 0 = head_dim; even, <= head_dim and <= 256 */
   int interleave;     /* 0: NeoX pairs (x[i], x[i + d/2]); non-zero: GPT-J pairs (x[2i], x[2i+1]) */
   float rope_theta;
   float rope_scale; /* linear position interpolation: positions / rope_scale */
@@ -213,6 +213,7 @@ TESSERA_API tessera_status tessera_decode(const DLTensor* q, const tessera_paged
                                           const tessera_attention_options* options, void* stream);
 
 /* ---- ops ---- */
+/* Each op takes up to 65536 heads and a head_dim up to 4096. */
 
 /* Rotates q [nnz, Hq, D] and/or k [nnz, Hk, D] in place (either may be NULL, not both) by
  * positions [nnz] int32. options may be NULL (defaults). */

@@ -2,7 +2,8 @@
 states, and the vLLM/FlashAttention block table -> CSR page table conversion.
 
 All take arrays of any framework (through DLPack), run on the device of their inputs on the
-framework's current CUDA stream, and allocate outputs with the framework of the inputs.
+framework's current CUDA stream, and allocate outputs with the framework of the inputs. Each
+takes up to 65536 heads and a head_dim up to 4096.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class RopeOptions:
     """Rotary embedding settings (``tessera_rope_options``).
 
     Attributes:
-        rotary_dim: features rotated per head (even, <= head_dim); None = head_dim.
+        rotary_dim: features rotated per head (even, <= head_dim, <= 256); None = head_dim
+            (then head_dim must be <= 256).
         interleave: False = NeoX / Llama pairs ``(x[i], x[i + d/2])``; True = GPT-J pairs
             ``(x[2i], x[2i+1])``.
         rope_theta: base of the frequencies ``theta^(-2i / rotary_dim)``.
