@@ -565,6 +565,35 @@ TEST(CudaGraph, UploadedRunMatchesPlainRunAndStaleUploadsAreRedone) {
   }
 }
 
+TEST(CudaGraph, ForgetUploadsMakesTheNextRunUploadAgain) {
+  // A workspace overwritten behind the library's back (as freed memory handed out again would
+  // be): after forget_uploads the run copies the plan's lists again instead of trusting them.
+  TESSERA_SKIP_WITHOUT_GPU();
+  DecodeSetup setup(base_seed() + 3);
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  setup.set_batch({700, 33, 2048, 1}, s);
+  const int batch = static_cast<int>(setup.kv_lens.size());
+  Plan plan = setup.plan({});
+  DeviceBuffer workspace(plan.workspace_bytes);
+  const Workspace ws{workspace.data(), workspace.bytes()};
+  upload_plan(plan, ws, s);
+  setup.poison(s);
+  run_decode(plan, setup.q_view(batch), setup.cache(batch), setup.o_view(batch),
+             setup.lse_view(batch), ws, s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  const std::vector<unsigned char> expected = setup.o.download<unsigned char>();
+  CUDA_OK(cudaMemsetAsync(workspace.data(), 0xff, workspace.bytes(), s));
+  forget_uploads(ws.data);
+  setup.poison(s);
+  run_decode(plan, setup.q_view(batch), setup.cache(batch), setup.o_view(batch),
+             setup.lse_view(batch), ws, s);
+  CUDA_OK(cudaStreamSynchronize(s));
+  ASSERT_EQ(setup.o.download<unsigned char>(), expected);
+  std::mt19937_64 pick(3);
+  EXPECT_EQ(setup.check(s, rows_to_check(pick, 0, int64_t{batch} * DecodeSetup::kQoHeads)), "");
+}
+
 // More uploads in flight than the pinned staging pool holds (the stream held back 1.5 s by a
 // host function while the host queues alternating uploads of two plans into one workspace): the
 // uploads beyond the pool go through pageable memory, the host never waits for the stream, and

@@ -216,8 +216,14 @@ PlanCapacity plan_capacity(AttentionOp op, int max_batch, int64_t max_total_q, i
 // was uploaded into the same workspace before the replay. Must not be called while `stream`
 // is being captured. CPU plans: no-op. The workspace must be at least plan.workspace_bytes.
 // Uploads are tracked per workspace address: after freeing a workspace and allocating another
-// at the same address, upload again before running an already-uploaded plan with it.
+// at the same address, upload again before running an already-uploaded plan with it, or call
+// forget_uploads.
 void upload_plan(Plan& plan, Workspace workspace, void* stream = nullptr);
+// The memory at `workspace` no longer holds what upload_plan put there (it was freed, handed out
+// again, or written by something else): the next run_*() of any plan with it uploads the lists
+// itself (inside a CUDA-graph capture: records their copies from the plan's host memory).
+// Host-only and cheap; a no-op without the CUDA backend.
+void forget_uploads(const void* workspace);
 
 // ---- run (never allocates, never synchronises the host on GPU) ----
 // `stream` is a cudaStream_t for CUDA tensors and ignored on the CPU. A GPU plan not uploaded

@@ -157,6 +157,10 @@ TESSERA_API tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
  * a no-op for CPU plans; an error while `stream` is being captured into a CUDA graph. */
 TESSERA_API tessera_status tessera_plan_upload(tessera_plan* plan, void* workspace,
                                                size_t workspace_bytes, void* stream);
+/* The memory at `workspace` no longer holds what tessera_plan_upload put there (freed, handed
+ * out again, or overwritten): the next run of any plan with it uploads the lists itself (see
+ * tessera::forget_uploads). Host-only, never fails. */
+TESSERA_API void tessera_workspace_forget_uploads(const void* workspace);
 
 /* Workspace a run of this plan needs (0 for a NULL plan). */
 TESSERA_API size_t tessera_plan_workspace_bytes(const tessera_plan* plan);

@@ -230,6 +230,7 @@ _PROTOTYPES: Dict[str, tuple] = {
     ),
     "tessera_plan_workspace_bytes": (ctypes.c_size_t, [_VOIDP]),
     "tessera_plan_upload": (_STATUS, [_VOIDP, _VOIDP, ctypes.c_size_t, _VOIDP]),
+    "tessera_workspace_forget_uploads": (None, [_VOIDP]),
     "tessera_plan_explain": (
         _STATUS, [_VOIDP, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
     ),

@@ -384,6 +384,13 @@ tessera_status tessera_plan_upload(tessera_plan* plan, void* workspace, size_t w
   });
 }
 
+void tessera_workspace_forget_uploads(const void* workspace) {
+  try {
+    tessera::forget_uploads(workspace);
+  } catch (...) {  // a mutex failure: nothing to report through a void C call
+  }
+}
+
 size_t tessera_plan_workspace_bytes(const tessera_plan* plan) {
   return plan == nullptr ? 0 : plan->plan.workspace_bytes;
 }

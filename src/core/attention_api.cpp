@@ -417,6 +417,8 @@ void upload_plan(Plan& plan, Workspace workspace, void* stream) {
   plan.uploaded_workspace = plan.upload_generation != 0 ? workspace.data : nullptr;
 }
 
+void forget_uploads(const void* workspace) { detail::dispatch_forget_uploads(workspace); }
+
 // ---------------------------------------------------------------- run
 
 void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView& k,

@@ -89,6 +89,12 @@ uint64_t dispatch_upload_plan(const Plan& plan, Workspace workspace, void* strea
 #endif
 }
 
+void dispatch_forget_uploads([[maybe_unused]] const void* workspace) {
+#if defined(TESSERA_HAVE_CUDA)
+  cuda_forget_uploads(workspace);
+#endif
+}
+
 ScratchBuffer::ScratchBuffer(Device device, size_t bytes) : device_(device), bytes_(bytes) {
   if (bytes == 0) return;
   if (device.type == DeviceType::kCPU) {

@@ -28,6 +28,7 @@ void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Works
 // Copies a GPU plan's lists into the workspace (one async copy from pinned staging) and returns
 // the upload's generation (never 0). CPU plans: nothing, returns 0.
 uint64_t dispatch_upload_plan(const Plan& plan, Workspace workspace, void* stream);
+void dispatch_forget_uploads(const void* workspace);  // no-op without the CUDA backend
 
 // Scratch memory on a device for the one-shot calls (host vector or cudaMalloc).
 class ScratchBuffer {

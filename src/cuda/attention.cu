@@ -411,6 +411,10 @@ uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
   return upload_image(plan, layout, workspace, cuda_stream);
 }
 
+void cuda_forget_uploads(const void* workspace) {
+  UploadRegistry::instance().set(workspace, 0);
+}
+
 void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
                         void* stream) {
   if (plan.device.type != DeviceType::kCUDA) {

@@ -59,6 +59,8 @@ const char* cuda_last_decode_kernel();
 // Returns the upload's generation (never 0), remembered per workspace pointer so that
 // cuda_run_attention can tell whether a plan's upload is still the workspace's latest.
 uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream);
+// Forgets which upload `workspace` holds (tessera::forget_uploads).
+void cuda_forget_uploads(const void* workspace);
 // Uploads that went through pageable memory because the staging pool was full (tests).
 uint64_t cuda_staging_overflow_uploads();
 

@@ -127,14 +127,17 @@ def _entry(workspace_bytes):
 
 def test_shared_workspace_uploads_once_per_plan(monkeypatch):
     """One workspace per (device, stream), grown to powers of two, and one upload per plan
-    change (not per layer): what makes the steady-state runs launch kernels only."""
-    uploads = []
+    change (not per layer): what makes the steady-state runs launch kernels only. A dropped
+    workspace (grown or evicted) is forgotten by the library: its memory may come back at the
+    same address."""
+    uploads, forgotten = [], []
 
     def upload(handle, pointer, nbytes, stream):
         uploads.append((handle, pointer, nbytes, None if stream is None else stream.value))
         return 0
 
-    monkeypatch.setattr(_capi, "lib", lambda: types.SimpleNamespace(tessera_plan_upload=upload))
+    monkeypatch.setattr(_capi, "lib", lambda: types.SimpleNamespace(
+        tessera_plan_upload=upload, tessera_workspace_forget_uploads=forgotten.append))
     cpu = torch.device("cpu")  # the bookkeeping is device-independent; buffers are cheap here
     first, second = _entry(1000), _entry(5000)
     workspace = hf._shared_workspace(torch, cpu, 11, first)
@@ -151,6 +154,7 @@ def test_shared_workspace_uploads_once_per_plan(monkeypatch):
     big = _entry(3 * hf._MIN_WORKSPACE_BYTES)
     grown = hf._shared_workspace(torch, cpu, 11, big)
     assert grown is not workspace and grown.nbytes == 4 * hf._MIN_WORKSPACE_BYTES
+    assert forgotten == [workspace.pointer]
     assert uploads[-1] == (big.plan.handle, grown.pointer, grown.nbytes, 11)
     assert hf._shared_workspace(torch, cpu, 11, first) is grown  # kept at its size
     assert len(uploads) == 5
@@ -162,6 +166,8 @@ def test_shared_workspace_uploads_once_per_plan(monkeypatch):
         hf._shared_workspace(torch, cpu, 11, first)  # kept in use: never the one evicted
     assert len(hf._WORKSPACES) == hf._MAX_WORKSPACES
     assert hf._WORKSPACES[(0, 11)] is grown and (0, 0) not in hf._WORKSPACES
+    assert other.pointer in forgotten and grown.pointer not in forgotten
+    assert len(forgotten) == 1 + 2 * hf._MAX_WORKSPACES - (hf._MAX_WORKSPACES - 2)
 
 
 def test_cpu_runs_do_not_share_a_workspace(monkeypatch):

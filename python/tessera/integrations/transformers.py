@@ -320,8 +320,13 @@ def _shared_workspace(torch: Any, device: Any, stream: int, entry: _DensePlan) -
         _WORKSPACES.move_to_end(key)
     needed = entry.plan.workspace_bytes
     if workspace is None or workspace.nbytes < needed:
-        if workspace is None and len(_WORKSPACES) >= _MAX_WORKSPACES:
-            _WORKSPACES.popitem(last=False)  # the least recently used stream's
+        # The dropped buffer's memory may come back at the same address (another workspace, a
+        # capture's): the library must not take it for holding the plans uploaded there.
+        if workspace is not None:
+            _capi.lib().tessera_workspace_forget_uploads(workspace.pointer)
+        elif len(_WORKSPACES) >= _MAX_WORKSPACES:
+            _, evicted = _WORKSPACES.popitem(last=False)  # the least recently used stream's
+            _capi.lib().tessera_workspace_forget_uploads(evicted.pointer)
         # A dropped buffer goes back to torch's caching allocator, which hands it out again only
         # in order on the stream it was allocated on (this one): safe while runs are in flight.
         capacity = max(_MIN_WORKSPACE_BYTES, 1 << max(needed - 1, 0).bit_length())
@@ -388,6 +393,10 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
         # run copies the lists itself from the plan's host memory, which _GRAPH_PLANS keeps.
         workspace_bytes = entry.plan.workspace_bytes
         workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=device)
+        if capturing:
+            # Fresh memory, possibly at the address of a dropped workspace that a warm plan was
+            # uploaded into: the captured run must record the list copies, not trust that.
+            _capi.lib().tessera_workspace_forget_uploads(workspace.data_ptr())
     q_dl = to_dl(q_rows, "query")
     out = torch.empty((batch, seqlen_q, heads, dim), dtype=query.dtype, device=device)
     o_dl = to_dl(out.view(batch * seqlen_q, heads, dim), "out", writable=True)
