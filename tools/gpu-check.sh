@@ -15,8 +15,11 @@
 # issue-7 figure) after the test binaries, even with TESSERA_SKIP_TESTS=1, under
 # TESSERA_SOAK_TIMEOUT seconds (default TESSERA_TIMEOUT); its output goes to tests.log.
 # TESSERA_EXTRA=1: host overheads, DRAM read ceilings, decode under the read flush, HF latency.
+# TESSERA_BENCH_VARIANTS: A/B runs of the bench in the same call, ';'-separated, each
+# "VAR=VALUE[,VAR=VALUE...][@FILTER]" (e.g. "TESSERA_BENCH_PAGES=ordered@p16;TESSERA_SM90_K_AHEAD=0@paged"),
+# into bench-variants.log.
 # Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log,
-# ncu.log, ncu-source.csv, extra.log, extra-decode-compare.json.
+# ncu.log, ncu-source.csv, extra.log, extra-decode-compare.json, bench-variants.log.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
@@ -127,6 +130,22 @@ if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 timeout 900 python3 "$root/bench/compare.py" "$out/bench.json" \
     --out "$out/compare.json" --png "$out/compare.png" >"$out/compare.log" 2>&1 || status=1
   cat "$out/compare.log"
+fi
+
+# 4b. Optional: the bench again under other settings (TESSERA_BENCH_VARIANTS), for A/B
+#     comparisons measured in the same call as the default run above.
+if [ -n "${TESSERA_BENCH_VARIANTS:-}" ]; then
+  IFS=';' read -ra variants <<<"$TESSERA_BENCH_VARIANTS"
+  for variant in "${variants[@]}"; do
+    settings=${variant%%@*}
+    filter=
+    [ "$settings" != "$variant" ] && filter=${variant#*@}
+    IFS=',' read -ra assignments <<<"$settings"
+    echo "=== ${settings} (filter: ${filter:-all})" >>"$out/bench-variants.log"
+    timeout 900 env "${assignments[@]}" "$build/tessera" bench --quiet ${filter:+--filter "$filter"} \
+      >>"$out/bench-variants.log" 2>&1 || status=1
+  done
+  cat "$out/bench-variants.log"
 fi
 
 # 5. Optional: one launch of a bench case under Nsight Compute (TESSERA_NCU = a bench filter,
