@@ -46,13 +46,16 @@ never change. What is graph safe with the current C ABI:
 Not graph safe: calling ``plan`` with *different lengths* (batch size, kv lengths / page counts,
 query counts) and replaying a graph captured for the previous plan — the captured launches keep
 the previous partition. Re-capture after such a ``plan`` (one graph per batch shape bucket).
+Give a CUDA-graph wrapper a workspace of its own: each replay rewrites the workspace with the
+captured plan's lists, which the library cannot see, so an eager wrapper sharing that buffer
+would run with the captured plan's lists after a replay.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import numpy as np
 
@@ -170,46 +173,65 @@ class _IndexSlot:
     fixed-address buffer (given or allocated by the first plan); otherwise the user's array is
     used as-is when it already is int32 on the right device, else a copy is made."""
 
-    def __init__(self, name: str, buffer: Optional[ArrayLike]) -> None:
+    def __init__(self, name: str, buffer: Optional[ArrayLike], device: Tuple[int, int]) -> None:
         self.name = name
         self.buffer = buffer
         self.buffer_dl: Optional[DLTensor] = None if buffer is None else to_dl(
             buffer, name, writable=True)
+        if self.buffer_dl is not None:
+            # The run reads the buffer as count contiguous int32 values on the plan's device.
+            dtype = self.buffer_dl.dtype
+            if (self.buffer_dl.ndim != 1 or dtype.code != _capi.kDLInt or dtype.bits != 32
+                    or (shape_of(self.buffer_dl)[0] > 1 and strides_of(self.buffer_dl)[0] != 1)
+                    or device_of(self.buffer_dl) != device):
+                raise ValueError(
+                    f"'{name}' buffer: expected a 1-D contiguous int32 array on the workspace's "
+                    f"device {device}, got shape {list(shape_of(self.buffer_dl))}, strides "
+                    f"{list(strides_of(self.buffer_dl))}, dtype code {dtype.code} bits "
+                    f"{dtype.bits}, device {device_of(self.buffer_dl)}")
         self.array: Optional[ArrayLike] = None  # keeps the device array alive
         self.dl: Optional[DLTensor] = None
 
-    def place(self, wrapper: "_Wrapper", original: ArrayLike,
-              host: Optional[np.ndarray] = None) -> None:
-        """Puts ``original`` (host copy ``host``, made here when None and needed) in place."""
+    def stage(self, wrapper: "_Wrapper", original: ArrayLike,
+              host: Optional[np.ndarray] = None) -> Callable[[], None]:
+        """Converts and checks ``original`` (host copy ``host``, made here when None and needed)
+        without changing the slot, and returns what puts it in place: plan() stages every array
+        before it changes anything, so a bad one leaves the previous plan whole."""
         if not wrapper._use_cuda_graph and not isinstance(original, (list, tuple, range)):
             original_dl = to_dl(original, self.name)
             dtype = original_dl.dtype
             if (device_of(original_dl) == wrapper._device and dtype.code == _capi.kDLInt
                     and dtype.bits == 32 and original_dl.ndim == 1
                     and strides_of(original_dl)[0] == 1):
-                self.array, self.dl = original, original_dl
-                return
+                return lambda: self._set(original, original_dl)
         if host is None:
             host = to_host_int32(original, self.name).reshape(-1)
         count = int(host.shape[0])
         if wrapper._use_cuda_graph:
-            if self.buffer is None:
-                self.buffer = empty(wrapper._workspace, wrapper._workspace_dl, (max(count, 1),),
-                                    "int32", self.name)
-                self.buffer_dl = to_dl(self.buffer, self.name, writable=True)
-            assert self.buffer_dl is not None
-            capacity = shape_of(self.buffer_dl)[0]
+            buffer, buffer_dl = self.buffer, self.buffer_dl
+            if buffer is None:
+                buffer = empty(wrapper._workspace, wrapper._workspace_dl, (max(count, 1),),
+                               "int32", self.name)
+                buffer_dl = to_dl(buffer, self.name, writable=True)
+            assert buffer_dl is not None
+            capacity = shape_of(buffer_dl)[0]
             if count > capacity:
                 raise ValueError(
                     f"'{self.name}': {count} entries do not fit in its CUDA-graph buffer of "
                     f"{capacity}; pass a larger buffer to the constructor or plan the largest batch "
                     "first")
-            _copy_into(self.buffer, host)
-            self.array = self.buffer
-            self.dl = view(self.buffer_dl, (count,), (1,))
-            return
-        self.array = from_numpy(host, wrapper._workspace, wrapper._workspace_dl)
-        self.dl = to_dl(self.array, self.name)
+
+            def commit() -> None:
+                self.buffer, self.buffer_dl = buffer, buffer_dl
+                _copy_into(buffer, host)
+                self._set(buffer, view(buffer_dl, (count,), (1,)))
+            return commit
+        array = from_numpy(host, wrapper._workspace, wrapper._workspace_dl)
+        array_dl = to_dl(array, self.name)
+        return lambda: self._set(array, array_dl)
+
+    def _set(self, array: ArrayLike, dl: DLTensor) -> None:
+        self.array, self.dl = array, dl
 
 
 class _Wrapper:
@@ -242,18 +264,32 @@ class _Wrapper:
     # -- workspace ----------------------------------------------------------------------------
 
     def reset_workspace_buffer(self, float_workspace_buffer: ArrayLike, *unused: Any) -> None:
-        """Replaces the workspace (FlashInfer's method; extra buffers are ignored)."""
+        """Replaces the workspace (FlashInfer's method; extra buffers are ignored). The current
+        plan, if any, must fit it; its work lists are uploaded into it (GPU, outside CUDA-graph
+        mode), so runs keep launching kernels only."""
         workspace_dl = to_dl(float_workspace_buffer, "float_workspace_buffer", writable=True)
+        nbytes = nbytes_of(workspace_dl, "float_workspace_buffer")
+        pointer = data_pointer(workspace_dl)
+        device = device_of(workspace_dl)
+        if self._plan is not None:
+            if device != self._device:
+                raise ValueError(f"'float_workspace_buffer': expected a buffer on the plan's "
+                                 f"device {self._device}, got {device}")
+            if self._plan.workspace_bytes > nbytes:
+                raise ValueError(
+                    f"'float_workspace_buffer': this batch needs {self._plan.workspace_bytes} "
+                    f"bytes of workspace (tessera_plan_workspace_bytes), the buffer has {nbytes}; "
+                    "allocate a larger one")
+            self._upload(self._plan, float_workspace_buffer, workspace_dl, pointer, nbytes)
         self._workspace = float_workspace_buffer
         self._workspace_dl = workspace_dl
-        self._workspace_bytes = nbytes_of(workspace_dl, "float_workspace_buffer")
-        self._workspace_ptr = data_pointer(workspace_dl)
-        self._device = device_of(workspace_dl)
-        # run() asks torch whether a graph is being captured only in CUDA-graph mode on a GPU.
+        self._workspace_bytes = nbytes
+        self._workspace_ptr = pointer
+        self._device = device
+        # run() asks whether a graph is being captured only in CUDA-graph mode on a GPU.
         self._watch_capture = self._use_cuda_graph and self._device[0] == kDLCUDA
         self._fast = None
         if self._plan is not None:
-            self._check_workspace(self._plan)
             self._arm_fast()
 
     def _check_workspace(self, plan: Plan) -> None:
@@ -279,10 +315,22 @@ class _Wrapper:
 
     # -- plan bookkeeping ---------------------------------------------------------------------
 
-    def _install(self, handle: ctypes.c_void_p, options: _capi.AttentionOptions) -> None:
-        self._fast = None  # made again when plan() has placed the index arrays (_arm_fast)
+    def _new_plan(self, handle: ctypes.c_void_p) -> Plan:
+        """The plan of a handle plan() just made, checked against the workspace (nothing of the
+        wrapper changes yet)."""
         plan = Plan(handle)
         self._check_workspace(plan)
+        return plan
+
+    def _install(self, plan: Plan, options: _capi.AttentionOptions,
+                 staged: List[Callable[[], None]]) -> None:
+        """Makes ``plan`` current with its staged index arrays (plan() calls this only once
+        everything has been converted and checked)."""
+        # First what can fail: the upload (the previous plan, if it runs again, finds its lists
+        # overwritten and uploads them itself).
+        self._upload(plan, self._workspace, self._workspace_dl, self._workspace_ptr,
+                     self._workspace_bytes)
+        self._fast = None  # made again below, once the index arrays are in place
         if self._plan is not None and self._plan_captured:
             # A captured graph re-uploads this plan's lists from its host memory on replay.
             self._captured_plans.append(self._plan)
@@ -291,14 +339,20 @@ class _Wrapper:
         self._options = options
         self._derived.clear()  # paged-KV structs point at the previous plan's index arrays
         self._run_fn = getattr(_capi.lib(), self._run_symbol)
-        if self._device[0] == kDLCUDA and not self._use_cuda_graph:
-            # Copy the work lists into the workspace now (one async copy on the current stream),
-            # so run() launches kernels only. A run after another plan was uploaded into the same
-            # workspace (wrappers sharing a buffer) re-uploads by itself. CUDA-graph mode keeps
-            # the upload inside run(), so a captured graph replays the plan it was captured with.
+        for put in staged:
+            put()
+        self._arm_fast()
+
+    def _upload(self, plan: Plan, workspace: ArrayLike, workspace_dl: DLTensor, pointer: int,
+                nbytes: int) -> None:
+        """On a GPU outside CUDA-graph mode, copies the plan's work lists into the workspace
+        (one async copy on the workspace's current stream), so run() launches kernels only. A
+        run after another plan was uploaded into the same workspace (wrappers sharing a buffer)
+        re-uploads by itself. CUDA-graph mode keeps the upload inside run(), so a captured graph
+        replays the plan it was captured with."""
+        if device_of(workspace_dl)[0] == kDLCUDA and not self._use_cuda_graph:
             _capi.check(_capi.lib().tessera_plan_upload(
-                handle, self._workspace_ptr, self._workspace_bytes,
-                stream_arg(stream_of(self._workspace, self._workspace_dl))))
+                plan.handle, pointer, nbytes, stream_arg(stream_of(workspace, workspace_dl))))
 
     def _index_descriptors(self) -> List[DLTensor]:
         """The plan's index array descriptors in the order of the C run function."""
@@ -320,7 +374,12 @@ class _Wrapper:
     def _note_capture(self) -> None:
         if not self._use_cuda_graph or self._device[0] != kDLCUDA or self._plan_captured:
             return
-        if "torch" in sys.modules and torch_stream_capturing(self._device[1]):
+        if framework(self._workspace) == "torch":
+            captured = torch_stream_capturing(self._device[1])
+        else:  # cupy and others: ask CUDA about the framework's current stream
+            stream = stream_of(self._workspace, self._workspace_dl)
+            captured = bool(stream) and _capi.stream_capture_id(stream) != 0
+        if captured:
             self._plan_captured = True
 
     def _scales(self, k_scale: Optional[float], v_scale: Optional[float]) -> None:
@@ -412,8 +471,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         del backend
         _check_no_custom_mask(custom_mask_buf, mask_indptr_buf)
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
-        self._qo_indptr = _IndexSlot("qo_indptr", qo_indptr_buf)
-        self._kv_indptr = _IndexSlot("kv_indptr", kv_indptr_buf)
+        self._qo_indptr = _IndexSlot("qo_indptr", qo_indptr_buf, self._device)
+        self._kv_indptr = _IndexSlot("kv_indptr", kv_indptr_buf, self._device)
 
     def plan(
         self,
@@ -469,10 +528,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             _int_arg(num_qo_heads, "num_qo_heads"), _int_arg(num_kv_heads, "num_kv_heads"),
             _int_arg(head_dim_qk, "head_dim_qk"), ctypes.byref(options), self._device[0],
             self._device[1], ctypes.byref(handle)), dict(_PLAN_NAMES, head_dim="head_dim_qk"))
-        self._install(handle, options)
-        self._qo_indptr.place(self, qo_indptr, qo_host)
-        self._kv_indptr.place(self, kv_indptr, kv_host)
-        self._arm_fast()
+        plan = self._new_plan(handle)
+        self._install(plan, options, [self._qo_indptr.stage(self, qo_indptr, qo_host),
+                                      self._kv_indptr.stage(self, kv_indptr, kv_host)])
 
     def _index_descriptors(self) -> List[DLTensor]:
         return [self._qo_indptr.dl, self._kv_indptr.dl]
@@ -586,16 +644,18 @@ class _PagedWrapper(_Wrapper):
                  indptr_buffer: Optional[ArrayLike], indices_buffer: Optional[ArrayLike],
                  last_page_len_buffer: Optional[ArrayLike]) -> None:
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
-        self._page_indptr = _IndexSlot("paged_kv_indptr", indptr_buffer)
-        self._page_indices = _IndexSlot("paged_kv_indices", indices_buffer)
-        self._last_page_len = _IndexSlot("paged_kv_last_page_len", last_page_len_buffer)
+        self._page_indptr = _IndexSlot("paged_kv_indptr", indptr_buffer, self._device)
+        self._page_indices = _IndexSlot("paged_kv_indices", indices_buffer, self._device)
+        self._last_page_len = _IndexSlot("paged_kv_last_page_len", last_page_len_buffer,
+                                         self._device)
 
-    def _place_pages(self, indptr: ArrayLike, indptr_host: np.ndarray, indices: ArrayLike,
-                     last_page_len: ArrayLike, last_host: np.ndarray) -> None:
-        self._page_indptr.place(self, indptr, indptr_host)
-        self._page_indices.place(self, indices)
-        self._last_page_len.place(self, last_page_len, last_host)
-        self._derived.clear()  # paged-KV structs point at the index descriptors replaced here
+    def _stage_pages(self, indptr: ArrayLike, indptr_host: np.ndarray, indices: ArrayLike,
+                     last_page_len: ArrayLike,
+                     last_host: np.ndarray) -> List[Callable[[], None]]:
+        # _install empties the derived structs, which point at the index descriptors replaced.
+        return [self._page_indptr.stage(self, indptr, indptr_host),
+                self._page_indices.stage(self, indices),
+                self._last_page_len.stage(self, last_page_len, last_host)]
 
     def _paged_kv(self, paged_kv_cache: Any) -> _capi.PagedKV:
         """The ``tessera_paged_kv`` struct of this run (cached per pair of cached descriptors;
@@ -653,7 +713,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         _check_no_custom_mask(custom_mask_buf, mask_indptr_buf)
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indptr_buf,
                          paged_kv_indices_buf, paged_kv_last_page_len_buf)
-        self._qo_indptr = _IndexSlot("qo_indptr", qo_indptr_buf)
+        self._qo_indptr = _IndexSlot("qo_indptr", qo_indptr_buf, self._device)
 
     def plan(
         self,
@@ -708,11 +768,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             _int_arg(num_kv_heads, "num_kv_heads"), _int_arg(head_dim_qk, "head_dim_qk"),
             ctypes.byref(options), self._device[0], self._device[1], ctypes.byref(handle)),
             dict(_PLAN_NAMES, head_dim="head_dim_qk"))
-        self._install(handle, options)
-        self._qo_indptr.place(self, qo_indptr, qo_host)
-        self._place_pages(paged_kv_indptr, indptr_host, paged_kv_indices, paged_kv_last_page_len,
-                          last_host)
-        self._arm_fast()
+        plan = self._new_plan(handle)
+        staged = [self._qo_indptr.stage(self, qo_indptr, qo_host)]
+        staged += self._stage_pages(paged_kv_indptr, indptr_host, paged_kv_indices,
+                                    paged_kv_last_page_len, last_host)
+        self._install(plan, options, staged)
 
     def _index_descriptors(self) -> List[DLTensor]:
         return [self._page_indptr.dl, self._page_indices.dl, self._last_page_len.dl,
@@ -830,9 +890,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             _int_arg(head_dim, "head_dim"), q_per_request, ctypes.byref(options),
             self._device[0], self._device[1], ctypes.byref(handle)),
             dict(_PLAN_NAMES, page_indptr_host="indptr", last_page_len_host="last_page_len"))
-        self._install(handle, options)
-        self._place_pages(indptr, indptr_host, indices, last_page_len, last_host)
-        self._arm_fast()
+        plan = self._new_plan(handle)
+        self._install(plan, options,
+                      self._stage_pages(indptr, indptr_host, indices, last_page_len, last_host))
 
     def _index_descriptors(self) -> List[DLTensor]:
         return [self._page_indptr.dl, self._page_indices.dl, self._last_page_len.dl]

@@ -395,15 +395,20 @@ def test_plan_remakes_the_runner(rng):
     runner = wrapper._fast
     wrapper.reset_workspace_buffer(np.empty(16 << 20, np.uint8))
     assert wrapper._fast is not None and wrapper._fast is not runner
+    runner_after_reset = wrapper._fast
     assert_same(*run_both(wrapper, lambda w: w.run(q, paged)))
     with pytest.raises(ValueError):  # a refused plan keeps the previous plan (and its runner)
         wrapper.plan(cache.page_indptr, cache.page_indices, cache.last_page_len, 4, 2, 12, 8)
     assert wrapper._fast is not None
     assert_same(*run_both(wrapper, lambda w: w.run(q, paged)))
-    # A plan that fails after it was made (placing the index arrays) leaves no stale runner.
+    # A plan that fails after the C plan was made (converting the index arrays) changes nothing:
+    # the previous plan, its index arrays and its runner stay.
+    before = wrapper.run(q, paged)
     with pytest.raises(ValueError):
         wrapper.plan(cache.page_indptr, np.zeros(4, np.float32), cache.last_page_len, 4, 2, 32, 8)
-    assert wrapper._fast is None
+    assert wrapper._fast is runner_after_reset
+    assert_same(*run_both(wrapper, lambda w: w.run(q, paged)))
+    np.testing.assert_array_equal(wrapper.run(q, paged), before)
     wrapper.plan(cache.page_indptr, cache.page_indices, cache.last_page_len, 4, 2, 32, 8)
     assert_same(*run_both(wrapper, lambda w: w.run(q, paged)))
 

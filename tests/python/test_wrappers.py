@@ -156,6 +156,53 @@ def test_decode_wrapper_cuda_graph_mode_allocates_buffers(rng, workspace):
         wrapper.plan(bigger.page_indptr, bigger.page_indices, bigger.last_page_len, 2, 1, 16, 4)
 
 
+@pytest.mark.parametrize("graph_mode", [False, True], ids=["eager", "cuda-graph-buffers"])
+def test_failed_plan_leaves_the_previous_plan_whole(rng, workspace, graph_mode):
+    """A plan() that fails after the C plan was made (a bad index array, or one too large for
+    its CUDA-graph buffer) changes nothing: the previous plan runs with its own page table.
+    Before, the new plan was installed with the previous plan's (or half-overwritten) arrays."""
+    buffers = {}
+    if graph_mode:
+        buffers = dict(use_cuda_graph=True, paged_kv_indptr_buffer=np.zeros(4, np.int32),
+                       paged_kv_indices_buffer=np.zeros(8, np.int32),
+                       paged_kv_last_page_len_buffer=np.zeros(3, np.int32))
+    wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace, **buffers)
+    cache = PagedCache(rng, [8, 7], 4, 1, 16, np.float32)  # 2 + 2 pages
+    wrapper.plan(cache.page_indptr, cache.page_indices, cache.last_page_len, 2, 1, 16, 4)
+    q = rng.standard_normal((2, 2, 16)).astype(np.float32)
+    expected = wrapper.run(q, (cache.k_cache, cache.v_cache))
+    ref_o, _ = attention_ref(q, None, None, [1, 1], [8, 7], k_rows=cache.rows())
+    np.testing.assert_allclose(expected, ref_o, atol=2e-5, rtol=2e-5)
+    # Other lengths (the same page counts), pages given as floats: refused while converting
+    # page_indices, after the C plan was made.
+    other = PagedCache(rng, [8, 8], 4, 1, 16, np.float32)
+    with pytest.raises(ValueError, match="paged_kv_indices"):
+        wrapper.plan(other.page_indptr, other.page_indices.astype(np.float32),
+                     other.last_page_len, 2, 1, 16, 4)
+    np.testing.assert_array_equal(wrapper.run(q, (cache.k_cache, cache.v_cache)), expected)
+    if graph_mode:
+        # Three requests of 3 pages each: page_indptr (4 entries) fits, page_indices (9) does
+        # not; nothing is written into the buffers.
+        bigger = PagedCache(rng, [12, 12, 12], 4, 1, 16, np.float32)
+        before = [buffers[name].copy() for name in sorted(buffers) if name.endswith("buffer")]
+        with pytest.raises(ValueError, match="paged_kv_indices"):
+            wrapper.plan(bigger.page_indptr, bigger.page_indices, bigger.last_page_len, 2, 1, 16,
+                         4)
+        after = [buffers[name] for name in sorted(buffers) if name.endswith("buffer")]
+        for old, new in zip(before, after):
+            np.testing.assert_array_equal(old, new)
+        np.testing.assert_array_equal(wrapper.run(q, (cache.k_cache, cache.v_cache)), expected)
+
+
+def test_cuda_graph_buffers_must_be_contiguous_int32(workspace):
+    """The run reads a CUDA-graph index buffer as contiguous int32 values: a strided or int64
+    buffer is refused by the constructor (a strided one used to give wrong page ids)."""
+    for bad in (np.zeros(16, np.int32)[::2], np.zeros(8, np.int64), np.zeros((2, 4), np.int32)):
+        with pytest.raises(ValueError, match="paged_kv_indices"):
+            tessera.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, use_cuda_graph=True, paged_kv_indices_buffer=bad)
+
+
 def test_preallocated_outputs(rng, workspace):
     cache = PagedCache(rng, [10], 4, 1, 16, np.float32)
     wrapper = tessera.BatchDecodeWithPagedKVCacheWrapper(workspace)
