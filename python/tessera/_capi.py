@@ -365,15 +365,6 @@ def last_error() -> str:
     return lib().tessera_last_error().decode("utf-8", "replace")
 
 
-def stream_capture_id(stream: Optional[int]) -> int:
-    """The id of the CUDA graph capture in progress on ``stream`` (a cudaStream_t as an int;
-    unique per capture), 0 when it is not being captured or there is no CUDA device."""
-    capture = ctypes.c_uint64()
-    check(lib().tessera_stream_capture_id(ctypes.c_void_p(stream) if stream else None,
-                                          ctypes.byref(capture)))
-    return capture.value
-
-
 def default_attention_options() -> AttentionOptions:
     options = AttentionOptions()
     lib().tessera_attention_options_default(ctypes.byref(options))

@@ -116,5 +116,13 @@ def stream_arg(stream: Optional[int]) -> Optional[ctypes.c_void_p]:
     return None if not stream else ctypes.c_void_p(stream)
 
 
+def stream_capture_id(stream: Optional[int]) -> int:
+    """The id of the CUDA graph capture in progress on ``stream`` (a cudaStream_t as an int;
+    unique per capture), 0 when it is not being captured or there is no CUDA device."""
+    capture = ctypes.c_uint64()
+    _capi.check(_capi.lib().tessera_stream_capture_id(stream_arg(stream), ctypes.byref(capture)))
+    return capture.value
+
+
 def lib() -> ctypes.CDLL:
     return _capi.lib()

@@ -67,6 +67,7 @@ from ._common import (
     split_combined_kv,
     split_paged_kv_cache,
     stream_arg,
+    stream_capture_id,
 )
 from ._dlpack import (
     _KIND_CACHE,
@@ -275,11 +276,7 @@ class _Wrapper:
             if device != self._device:
                 raise ValueError(f"'float_workspace_buffer': expected a buffer on the plan's "
                                  f"device {self._device}, got {device}")
-            if self._plan.workspace_bytes > nbytes:
-                raise ValueError(
-                    f"'float_workspace_buffer': this batch needs {self._plan.workspace_bytes} "
-                    f"bytes of workspace (tessera_plan_workspace_bytes), the buffer has {nbytes}; "
-                    "allocate a larger one")
+            self._check_workspace(self._plan, nbytes)
             self._upload(self._plan, float_workspace_buffer, workspace_dl, pointer, nbytes)
         self._workspace = float_workspace_buffer
         self._workspace_dl = workspace_dl
@@ -292,11 +289,13 @@ class _Wrapper:
         if self._plan is not None:
             self._arm_fast()
 
-    def _check_workspace(self, plan: Plan) -> None:
-        if plan.workspace_bytes > self._workspace_bytes:
+    def _check_workspace(self, plan: Plan, nbytes: Optional[int] = None) -> None:
+        """``plan`` fits the workspace (of ``nbytes``; default: the current one)."""
+        nbytes = self._workspace_bytes if nbytes is None else nbytes
+        if plan.workspace_bytes > nbytes:
             raise ValueError(
                 f"'float_workspace_buffer': this batch needs {plan.workspace_bytes} bytes of "
-                f"workspace (tessera_plan_workspace_bytes), the buffer has {self._workspace_bytes}; "
+                f"workspace (tessera_plan_workspace_bytes), the buffer has {nbytes}; "
                 "allocate a larger one")
 
     @property
@@ -378,7 +377,7 @@ class _Wrapper:
             captured = torch_stream_capturing(self._device[1])
         else:  # cupy and others: ask CUDA about the framework's current stream
             stream = stream_of(self._workspace, self._workspace_dl)
-            captured = bool(stream) and _capi.stream_capture_id(stream) != 0
+            captured = bool(stream) and stream_capture_id(stream) != 0
         if captured:
             self._plan_captured = True
 

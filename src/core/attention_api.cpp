@@ -280,7 +280,7 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
   // in 64 bits (a length near 2^31 must not wrap).
   int64_t planned_pages = 0;
   const int64_t page_size = plan.page_size;
-  if (page_size > 0 && std::has_single_bit(static_cast<uint64_t>(page_size))) {
+  if (std::has_single_bit(static_cast<uint64_t>(page_size))) {  // >= 1, checked above
     const int shift = std::countr_zero(static_cast<uint64_t>(page_size));
     for (int32_t len : plan.kv_lens) planned_pages += (int64_t{len} + page_size - 1) >> shift;
   } else {

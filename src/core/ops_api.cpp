@@ -55,14 +55,14 @@ void check_rope_options(const ArgChecker& check, const RopeOptions& options, int
 }
 
 // The op kernels index heads and features in 32 bits and the CPU merge keeps one row of double
-// accumulators, so both are bounded, well above any attention head (256; MLA 576).
-constexpr int64_t kMaxOpHeads = 65536;
+// accumulators, so both are bounded (heads by detail::kMaxHeads, as attention's), head_dim well
+// above any attention head (256; MLA 576).
 constexpr int64_t kMaxOpHeadDim = 4096;
 
 void check_head_extent(const ArgChecker& check, const TensorView& view, const char* name,
                        int heads_index, int head_dim_index) {
-  check.require(view.shape[heads_index] <= kMaxOpHeads, name, [&] {
-    return "expected num_heads <= " + std::to_string(kMaxOpHeads) + ", got " +
+  check.require(view.shape[heads_index] <= detail::kMaxHeads, name, [&] {
+    return "expected num_heads <= " + std::to_string(detail::kMaxHeads) + ", got " +
            std::to_string(view.shape[heads_index]);
   });
   check.require(view.shape[head_dim_index] <= kMaxOpHeadDim, name, [&] {

@@ -425,11 +425,15 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
   const int64_t tokens_per_tile = std::max<int64_t>(1, config.q_tile_rows / group);
   max_total_q = std::max<int64_t>(0, max_total_q);
   max_kv_len = std::max(0, max_kv_len);
-  // Products saturate at INT64_MAX (the results are clamped below): extreme maxima must give
-  // the largest capacity, not a wrapped one.
+  // Products and sums saturate at INT64_MAX (the results are clamped below): extreme maxima
+  // must give the largest capacity, not a wrapped one.
   const auto times = [](int64_t a, int64_t b) {
     int64_t product = 0;
     return __builtin_mul_overflow(a, b, &product) ? INT64_MAX : product;
+  };
+  const auto plus = [](int64_t a, int64_t b) {
+    int64_t sum = 0;
+    return __builtin_add_overflow(a, b, &sum) ? INT64_MAX : sum;
   };
   // sum_b ceil(q_b / t) <= floor(total / t) + batch; every tile once per kv head.
   const int64_t tiles = times(max_total_q / tokens_per_tile + max_batch, num_kv_heads);
@@ -450,8 +454,7 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
     // target >= fair share / kSmallestTargetDivisor (3) = total cost / (3 workers), so a tile
     // has at most 3 c / fair + 1 pieces and the plan at most 3 workers + tiles items in all,
     // whatever the lengths. This keeps graph workspaces small when min_kv_chunk is small.
-    const int64_t by_workers =
-        std::min(INT64_MAX - tiles, kSmallestTargetDivisor * int64_t{config.num_workers}) + tiles;
+    const int64_t by_workers = plus(kSmallestTargetDivisor * int64_t{config.num_workers}, tiles);
     const int64_t rows_per_tile = std::min<int64_t>(config.q_tile_rows, tokens_per_tile * group);
     work_items = std::min(work_items, by_workers);
     partial_rows = std::min(partial_rows, times(by_workers, rows_per_tile));

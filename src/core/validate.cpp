@@ -5,25 +5,22 @@
 
 namespace tessera::detail {
 
-std::string shape_string(const TensorView& view) {
-  std::ostringstream out;
-  out << "[";
-  for (int i = 0; i < view.ndim; ++i) out << (i ? ", " : "") << view.shape[i];
-  out << "]";
-  return out.str();
-}
-
 namespace {
 
-std::string stride_string(const TensorView& view) {
+// "[a, b, c]" of a view's sizes or strides.
+std::string extents_string(const int64_t* values, int ndim) {
   std::ostringstream out;
   out << "[";
-  for (int i = 0; i < view.ndim; ++i) out << (i ? ", " : "") << view.stride[i];
+  for (int i = 0; i < ndim; ++i) out << (i ? ", " : "") << values[i];
   out << "]";
   return out.str();
 }
 
 }  // namespace
+
+std::string shape_string(const TensorView& view) {
+  return extents_string(view.shape, view.ndim);
+}
 
 void ArgChecker::fail(std::string_view arg, const std::string& message) const {
   throw Error(Error::Kind::kInvalidArgument,
@@ -63,7 +60,8 @@ void ArgChecker::tensor(const TensorView& view, std::string_view arg, int ndim,
     int64_t count = 0, bytes = 0;  // elements up to and including the last, and their bytes
     if (overflow || __builtin_add_overflow(last, int64_t{1}, &count) ||
         __builtin_mul_overflow(count, element_bytes, &bytes)) {
-      fail(arg, "shape " + shape_string(view) + " with strides " + stride_string(view) +
+      fail(arg, "shape " + shape_string(view) + " with strides " +
+                    extents_string(view.stride, view.ndim) +
                     " spans more than 2^63 - 1 bytes");
     }
   }
@@ -135,9 +133,7 @@ int64_t ArgChecker::indptr(std::span<const int32_t> values, std::string_view arg
 }
 
 void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim) {
-  // The planner makes a work item per (query tile, kv head): bounded like the ops' heads, so a
-  // head count alone cannot make a plan of billions of items.
-  constexpr int kMaxHeads = 65536;
+  // kMaxHeads: a head count alone cannot make a plan of billions of work items.
   check.require(num_qo_heads >= 1 && num_qo_heads <= kMaxHeads, "num_qo_heads", [&] {
     return "expected 1.." + std::to_string(kMaxHeads) + ", got " + std::to_string(num_qo_heads);
   });

@@ -67,6 +67,10 @@ class ArgChecker {
   std::string_view op_;
 };
 
+// At most this many query heads (attention) or heads (the aux ops): the planner makes a work
+// item per (query tile, kv head) and the op kernels index heads in 32 bits.
+inline constexpr int kMaxHeads = 65536;
+
 void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim);
 
 }  // namespace tessera::detail

@@ -25,9 +25,9 @@ def test_version_and_library():
 def test_stream_capture_id_of_a_stream_not_capturing():
     # The default stream is never captured (the GPU test of the HF backend checks ids inside
     # captures); without a CUDA device every stream answers 0.
-    from tessera import _capi
-    assert _capi.stream_capture_id(None) == 0
-    assert _capi.stream_capture_id(0) == 0
+    from tessera._common import stream_capture_id
+    assert stream_capture_id(None) == 0
+    assert stream_capture_id(0) == 0
 
 
 def test_installed_layout_ships_the_library():

@@ -41,7 +41,7 @@ import numpy as np
 
 from .. import _capi, _fast
 from .._capi import Plan, check, kDLCPU, kDLCUDA
-from .._common import attention_options, paged_kv, stream_arg
+from .._common import attention_options, paged_kv, stream_arg, stream_capture_id
 from .._dlpack import to_dl, torch_stream, torch_stream_capturing
 from ..attention import varlen_attention
 from ..wrappers import NOT_SERVED, fast_run
@@ -371,7 +371,7 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
     device_index = (device.index or 0) if cuda else 0
     stream = torch_stream(device_index) if cuda else 0
     capturing = cuda and torch_stream_capturing(device_index)
-    capture = _capi.stream_capture_id(stream) if capturing else None
+    capture = stream_capture_id(stream) if capturing else None
     entry = _dense_plan(torch, device, stream, capture, batch, seqlen_q, seqlen_kv, heads,
                         kv_heads, dim, options)
     if cuda and not capturing:
