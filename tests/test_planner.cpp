@@ -158,6 +158,43 @@ TEST(Planner, IsDeterministic) {
   }
 }
 
+// visible_pairs sums a tile's visible keys in closed form: the same count as row by row, for
+// every mask (causal, windows on either side, none), queries longer or shorter than the keys,
+// and key ranges cutting the rows anywhere, including empty ones.
+TEST(Planner, VisiblePairsEqualTheRowByRowCount) {
+  std::mt19937_64 rng(77);
+  const auto uniform = [&](int lo, int hi) {
+    return std::uniform_int_distribution<int>(lo, hi)(rng);
+  };
+  int nonzero = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    MaskSpec mask;
+    mask.causal = uniform(0, 1) == 1;
+    mask.window_left = uniform(0, 2) == 0 ? -1 : uniform(0, 300);
+    mask.window_right = uniform(0, 2) == 0 ? -1 : uniform(0, 300);
+    const int32_t q_total = uniform(1, 600);
+    const int32_t kv_len = uniform(0, 3) == 0 ? uniform(0, 40) : uniform(0, 900);
+    const int32_t q_start = uniform(0, q_total - 1);
+    const int32_t q_len = uniform(1, q_total - q_start);
+    const int32_t kv_start = uniform(0, kv_len);
+    const int32_t kv_end = uniform(kv_start, kv_len);
+    int64_t expected = 0;
+    for (int32_t t = q_start; t < q_start + q_len; ++t) {
+      int32_t first, last;
+      mask.visible_range(t, q_total, kv_len, &first, &last);
+      first = std::max(first, kv_start);
+      last = std::min(last, kv_end);
+      if (last > first) expected += last - first;
+    }
+    nonzero += expected > 0;
+    ASSERT_EQ(visible_pairs(mask, q_start, q_len, q_total, kv_len, kv_start, kv_end), expected)
+        << "trial " << trial << ": causal " << mask.causal << ", window (" << mask.window_left
+        << ", " << mask.window_right << "), rows [" << q_start << ", " << q_start + q_len << ") of "
+        << q_total << ", keys [" << kv_start << ", " << kv_end << ") of " << kv_len;
+  }
+  EXPECT_GT(nonzero, 10000);
+}
+
 // LPT bound: the busiest worker carries at most the mean plus the largest single item.
 TEST(Planner, ImbalanceIsBounded) {
   std::mt19937_64 rng(11);
@@ -501,8 +538,8 @@ TEST(Planner, ServingBatchesMatchTheReferencePlan) {
       config.deterministic_kv_chunk = decode ? 512 : 0;
     } else {
       config.q_tile_rows = std::max(std::vector<int>{16, 64, 128}[uniform(0, 2)], group);
-      config.num_workers = std::vector<int>{1, 2, 3, 63, 64, 65, 127, 128, 129, 264, 1000,
-                                            4096}[uniform(0, 11)];
+      config.num_workers = std::vector<int>{1,   2,   3,   6,   63,  64,   65,  127,
+                                            128, 129, 132, 264, 528, 1000, 4096}[uniform(0, 14)];
       config.min_kv_chunk = std::vector<int>{64, 128, 256, 512, 1000}[uniform(0, 4)];
     }
     config.split_kv = uniform(0, 9) != 0;

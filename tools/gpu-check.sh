@@ -14,12 +14,12 @@
 # tests/soak_cuda_graph (N plan/upload/CUDA-graph replay cycles, memory measured; 100000 is the
 # issue-7 figure) after the test binaries, even with TESSERA_SKIP_TESTS=1, under
 # TESSERA_SOAK_TIMEOUT seconds (default TESSERA_TIMEOUT); its output goes to tests.log.
-# TESSERA_EXTRA=1: host overheads, DRAM read ceilings, decode under the read flush, HF latency.
+# TESSERA_EXTRA=1: host overheads, plan() times, DRAM read ceilings, decode under the read flush, HF latency.
 # TESSERA_BENCH_VARIANTS: A/B runs of the bench in the same call, ';'-separated, each
 # "VAR=VALUE[,VAR=VALUE...][@FILTER]" (e.g. "TESSERA_BENCH_PAGES=ordered@p16;TESSERA_SM90_K_AHEAD=0@paged"),
 # into bench-variants.log.
 # Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log,
-# ncu.log, ncu-source.csv, extra.log, extra-decode-compare.json, bench-variants.log.
+# ncu.log, ncu-source-N.csv, extra.log, extra-decode-compare.json, bench-variants.log.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
@@ -148,28 +148,38 @@ if [ -n "${TESSERA_BENCH_VARIANTS:-}" ]; then
   cat "$out/bench-variants.log"
 fi
 
-# 5. Optional: one launch of a bench case under Nsight Compute (TESSERA_NCU = a bench filter,
-#    TESSERA_NCU_KERNEL = a kernel-name regex, default prefill_kernel).
+# 5. Optional: one launch of each of some bench cases under Nsight Compute. TESSERA_NCU =
+#    ';'-separated cases "FILTER[@KERNEL_REGEX]" (a bench filter, and a kernel-name regex,
+#    default TESSERA_NCU_KERNEL or prefill_kernel), all into ncu.log.
 if [ -n "${TESSERA_NCU:-}" ]; then
-  timeout 600 ncu --clock-control none --kernel-name "regex:${TESSERA_NCU_KERNEL:-prefill_kernel}" \
-    --launch-skip 3 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
-    --section WarpStateStats --section SchedulerStats --section InstructionStats \
-    --section MemoryWorkloadAnalysis --section Occupancy \
-    "$build/tessera" bench --quiet --filter "$TESSERA_NCU" >"$out/ncu.log" 2>&1 || status=1
-  grep -E "Duration|Throughput|Pipe|Issued|Stall|Warp Cycles|Eligible|Registers|Achieved" \
-    "$out/ncu.log" | head -60
-  # TESSERA_NCU_SOURCE=1: the same launch with warp-stall sampling per SASS instruction
-  # (SourceCounters), printed as CSV into ncu-source.csv (which instruction the warps wait at).
-  if [ "${TESSERA_NCU_SOURCE:-0}" = 1 ]; then
-    timeout 600 ncu --clock-control none --kernel-name "regex:${TESSERA_NCU_KERNEL:-prefill_kernel}" \
-      --launch-skip 3 --launch-count 1 --section SourceCounters --section WarpStateStats \
-      --import-source no --export "$out/ncu-source" --force-overwrite \
-      "$build/tessera" bench --quiet --filter "$TESSERA_NCU" >>"$out/ncu.log" 2>&1 || status=1
-    ncu --import "$out/ncu-source.ncu-rep" --page source --csv --print-source sass \
-      >"$out/ncu-source.csv" 2>>"$out/ncu.log" || status=1
-    rm -f "$out/ncu-source.ncu-rep"
-    wc -l "$out/ncu-source.csv"
-  fi
+  IFS=';' read -ra ncu_cases <<<"$TESSERA_NCU"
+  case_index=0
+  for ncu_case in "${ncu_cases[@]}"; do
+    case_index=$((case_index + 1))
+    ncu_filter=${ncu_case%%@*}
+    ncu_kernel=${TESSERA_NCU_KERNEL:-prefill_kernel}
+    [ "$ncu_filter" != "$ncu_case" ] && ncu_kernel=${ncu_case#*@}
+    echo "=== ncu case $case_index: '$ncu_filter', kernel regex '$ncu_kernel'" >>"$out/ncu.log"
+    timeout 600 ncu --clock-control none --kernel-name "regex:$ncu_kernel" \
+      --launch-skip 3 --launch-count 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section InstructionStats \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      "$build/tessera" bench --quiet --filter "$ncu_filter" >>"$out/ncu.log" 2>&1 || status=1
+    # TESSERA_NCU_SOURCE=1: the same launch with warp-stall sampling per SASS instruction
+    # (SourceCounters), printed as CSV into ncu-source-N.csv (which instruction the warps wait
+    # at).
+    if [ "${TESSERA_NCU_SOURCE:-0}" = 1 ]; then
+      timeout 600 ncu --clock-control none --kernel-name "regex:$ncu_kernel" \
+        --launch-skip 3 --launch-count 1 --section SourceCounters --section WarpStateStats \
+        --import-source no --export "$out/ncu-source" --force-overwrite \
+        "$build/tessera" bench --quiet --filter "$ncu_filter" >>"$out/ncu.log" 2>&1 || status=1
+      ncu --import "$out/ncu-source.ncu-rep" --page source --csv --print-source sass \
+        >"$out/ncu-source-$case_index.csv" 2>>"$out/ncu.log" || status=1
+      rm -f "$out/ncu-source.ncu-rep"
+    fi
+  done
+  grep -E "^=== ncu|Duration|Throughput|Pipe|Issued|Stall|Warp Cycles|Eligible|Registers|Achieved" \
+    "$out/ncu.log" | head -120
 fi
 
 # 6. Optional (TESSERA_EXTRA=1): host overheads and ceilings, into extra.log. The C++ and Python
@@ -181,6 +191,7 @@ if [ "${TESSERA_EXTRA:-0}" = 1 ]; then
   lib="$(cd "$build" && pwd)/libtessera.so"
   {
     echo "=== bench --suite overhead"; "$build/tessera" bench --suite overhead
+    echo "=== bench --suite plan"; "$build/tessera" bench --suite plan
     echo "=== bench --suite roofline (write flush)"; "$build/tessera" bench --suite roofline
     echo "=== bench --suite roofline (read flush)"
     TESSERA_BENCH_FLUSH=read "$build/tessera" bench --suite roofline

@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <sstream>
 
 #include "core/validate.hpp"
@@ -19,16 +20,60 @@ MaskSpec mask_of(const AttentionOptions& options) {
   return mask;
 }
 
+int64_t visible_pairs(const MaskSpec& mask, int32_t q_start, int32_t q_len, int32_t q_len_total,
+                      int32_t kv_len, int32_t kv_start, int32_t kv_end) {
+  // Keys of row t inside [kv_start, kv_end).
+  const auto row_pairs = [&](int64_t t) -> int64_t {
+    int32_t first, last;
+    mask.visible_range(static_cast<int32_t>(t), q_len_total, kv_len, &first, &last);
+    first = std::max(first, kv_start);
+    last = std::min(last, kv_end);
+    return last > first ? last - first : 0;
+  };
+  const int64_t begin = q_start, end = int64_t{q_start} + std::max(q_len, 0);
+  int64_t pairs = 0;
+  if (end - begin <= 8) {
+    for (int64_t t = begin; t < end; ++t) pairs += row_pairs(t);
+    return pairs;
+  }
+  // Every bound of a row's range is a constant (0, kv_len, kv_start, kv_end) or the row's
+  // diagonal plus a constant (1 if causal, window_right + 1, -window_left), so row_pairs is
+  // continuous and linear in t between the rows where a diagonal bound meets a constant one
+  // (slopes are 0 or 1, so they meet at whole rows). Cut there and sum each stretch as an
+  // arithmetic series.
+  const int64_t diag0 = int64_t{kv_len} - q_len_total;  // row t's diagonal key: t + diag0
+  int64_t offsets[3];
+  int num_offsets = 0;
+  if (mask.causal) offsets[num_offsets++] = 1;
+  if (mask.window_right >= 0) offsets[num_offsets++] = int64_t{mask.window_right} + 1;
+  if (mask.window_left >= 0) offsets[num_offsets++] = -int64_t{mask.window_left};
+  const int64_t constants[4] = {0, kv_len, kv_start, kv_end};
+  int64_t cuts[3 * 4 + 2];
+  int n = 0;
+  cuts[n++] = begin;
+  for (int o = 0; o < num_offsets; ++o) {
+    for (const int64_t constant : constants) {
+      const int64_t row = constant - offsets[o] - diag0;
+      if (row > begin && row < end) cuts[n++] = row;
+    }
+  }
+  cuts[n++] = end;
+  for (int i = 2; i < n - 1; ++i) {  // insertion sort of the (few) inner cuts
+    for (int j = i; j > 1 && cuts[j] < cuts[j - 1]; --j) std::swap(cuts[j], cuts[j - 1]);
+  }
+  for (int i = 0; i + 1 < n; ++i) {
+    const int64_t a = cuts[i], b = cuts[i + 1];
+    if (a == b) continue;
+    const int64_t count = b - a;
+    pairs += count == 1 ? row_pairs(a) : (row_pairs(a) + row_pairs(b - 1)) * count / 2;
+  }
+  return pairs;
+}
+
 double work_item_cost(const WorkItem& item, const MaskSpec& mask, int32_t q_len_of_request,
                       int32_t kv_len_of_request, int32_t group_size) {
-  int64_t pairs = 0;
-  for (int32_t t = item.q_start; t < item.q_start + item.q_len; ++t) {
-    int32_t first, last;
-    mask.visible_range(t, q_len_of_request, kv_len_of_request, &first, &last);
-    first = std::max(first, item.kv_start);
-    last = std::min(last, item.kv_end);
-    if (last > first) pairs += last - first;
-  }
+  const int64_t pairs = visible_pairs(mask, item.q_start, item.q_len, q_len_of_request,
+                                      kv_len_of_request, item.kv_start, item.kv_end);
   const double keys = static_cast<double>(item.kv_end - item.kv_start);
   return static_cast<double>(pairs) * group_size + keys * kCostPerKeyRead + kCostPerItem;
 }
@@ -250,6 +295,14 @@ void sort_pieces(std::vector<Piece>& pieces, std::vector<uint64_t>& keys,
 // (a heap's sift does), without data-dependent branches. The first items go to idle workers
 // 0, 1, ... (costs are > 0), and a long run of equal-cost items is given out level by level
 // (assign_level_by_level).
+//
+// Workers in blocks: every piece stands for `heads` items of equal cost, so every run of equal
+// costs holds a multiple of b = gcd(workers, heads) items. Workers b g .. b g + b - 1 (block g)
+// then always carry equal loads, and LPT hands the b consecutive items of a run to the b
+// workers of one block in index order: from equal loads, the block's first worker taking an
+// item leaves its other workers the least (load, worker) keys, those of a block of lower
+// index tied at the same load having gone first. So the schedule is LPT over the W / b blocks
+// with items in groups of b: the same owners, b times fewer tree updates.
 template <class Key>
 struct LptBuffers {
   std::vector<Key> tree;   // the winner tree, once every worker has had an item
@@ -259,20 +312,26 @@ struct LptBuffers {
 template <class Key>
 class LptWorkers {
  public:
-  LptWorkers(LptBuffers<Key>& buffers, int32_t workers, int shift)
-      : tree_(buffers.tree), order_(buffers.order), workers_(workers), shift_(shift),
+  // `workers` blocks of `block` workers each (shift: the bits of the largest block index).
+  LptWorkers(LptBuffers<Key>& buffers, int32_t workers, int shift, int32_t block)
+      : tree_(buffers.tree),
+        order_(buffers.order),
+        workers_(workers),
+        shift_(shift),
+        block_(block),
         worker_mask_((Key{1} << shift) - 1) {
     tree_.resize(2 * static_cast<size_t>(workers));
   }
 
-  // Gives `count` items of cost `cost` out one by one, writing each one's worker to owner[i].
+  // Gives `count` groups of `block` items of cost `cost` out one group at a time, writing each
+  // item's worker (block worker x block + position in the group) to owner[i].
   void assign(int64_t cost, int64_t count, int32_t* owner) {
     const Key step = static_cast<Key>(cost) << shift_;
     Key* const leaves = tree_.data() + workers_;
     for (; count > 0 && idle_ < workers_; --count) {  // idle workers first, in index order
       leaves[idle_] = step | static_cast<Key>(idle_);
       largest_ = std::max(largest_, leaves[idle_]);
-      *owner++ = idle_++;
+      owner = give(owner, idle_++);
       if (idle_ == workers_) build();
     }
     if (count == 0) return;
@@ -281,7 +340,7 @@ class LptWorkers {
     Key top = tree[1];  // carried in a register from one item to the next
     for (; count > 0; --count) {
       const int32_t worker = worker_of(top);
-      *owner++ = worker;
+      owner = give(owner, worker);
       Key key = top + step;
       largest_ = std::max(largest_, key);
       size_t node = static_cast<size_t>(workers_) + worker;
@@ -298,6 +357,13 @@ class LptWorkers {
   int64_t max_load() const { return load_of(largest_); }
 
  private:
+  // One group of items to block `worker`: its workers in index order.
+  int32_t* give(int32_t* owner, int32_t worker) const {
+    const int32_t first = worker * block_;
+    for (int32_t i = 0; i < block_; ++i) *owner++ = first + i;
+    return owner;
+  }
+
   int64_t load_of(Key key) const { return static_cast<int64_t>(key >> shift_); }
   int32_t worker_of(Key key) const { return static_cast<int32_t>(key & worker_mask_); }
 
@@ -330,7 +396,7 @@ class LptWorkers {
       for (const Key entry : order_) {
         const int32_t worker = worker_of(entry);
         if (leaves[worker] >= below) continue;
-        *owner++ = worker;
+        owner = give(owner, worker);
         leaves[worker] += step;
         largest_ = std::max(largest_, leaves[worker]);
         if (--count == 0) break;
@@ -344,6 +410,7 @@ class LptWorkers {
   std::vector<Key>& order_;
   const int32_t workers_;
   const int shift_;
+  const int32_t block_;
   const Key worker_mask_;
   Key largest_ = 0;    // the largest key: the busiest worker
   int32_t idle_ = 0;   // workers idle_.. have had no item yet
@@ -378,16 +445,17 @@ PlannerScratch& planner_scratch() {
 }
 
 template <class Key>
-bool schedule_with(Candidate& c, int32_t heads, int32_t workers, int shift, double stop_above,
-                   LptBuffers<Key>& buffers) {
-  LptWorkers<Key> lpt(buffers, workers, shift);
-  // The item order keeps the items of equal-cost pieces together: one run each.
+bool schedule_with(Candidate& c, int32_t heads, int32_t blocks, int32_t block, int shift,
+                   double stop_above, LptBuffers<Key>& buffers) {
+  LptWorkers<Key> lpt(buffers, blocks, shift, block);
+  // The item order keeps the items of equal-cost pieces together: one run each, of
+  // (pieces x heads) / block groups.
   int64_t position = 0;
   for (size_t run = 0; run < c.pieces.size();) {
     size_t end = run + 1;
     while (end < c.pieces.size() && c.pieces[end].cost == c.pieces[run].cost) ++end;
     const int64_t count = static_cast<int64_t>(end - run) * heads;
-    lpt.assign(static_cast<int64_t>(c.pieces[run].cost), count, c.owner.data() + position);
+    lpt.assign(static_cast<int64_t>(c.pieces[run].cost), count / block, c.owner.data() + position);
     position += count;
     run = end;
     if (static_cast<double>(lpt.max_load()) > stop_above) return false;
@@ -401,13 +469,15 @@ bool schedule_with(Candidate& c, int32_t heads, int32_t workers, int shift, doub
 bool schedule(Candidate& c, int32_t heads, int32_t workers, double stop_above,
               PlannerScratch& scratch) {
   c.owner.resize(static_cast<size_t>(c.num_items));
-  const int shift = std::bit_width(static_cast<uint32_t>(workers - 1));
+  const int32_t block = std::gcd(workers, heads);  // workers in blocks (LptWorkers)
+  const int32_t blocks = workers / block;
+  const int shift = std::bit_width(static_cast<uint32_t>(blocks - 1));
   // Every load is at most the candidate's total cost.
   const bool fits64 = c.item_cost.exact() &&
                       (shift == 0 || (static_cast<uint64_t>(c.item_cost.exact_value()) >>
                                       (64 - shift)) == 0);
-  if (fits64) return schedule_with(c, heads, workers, shift, stop_above, scratch.lpt64);
-  return schedule_with(c, heads, workers, shift, stop_above, scratch.lpt128);
+  if (fits64) return schedule_with(c, heads, blocks, block, shift, stop_above, scratch.lpt64);
+  return schedule_with(c, heads, blocks, block, shift, stop_above, scratch.lpt128);
 }
 
 }  // namespace

@@ -49,6 +49,12 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
 // group size (checked; throws tessera::Error otherwise).
 Plan make_plan(const PlanShape& shape, const PlanConfig& config);
 
+// Visible (row, key) pairs of rows [q_start, q_start + q_len) of a request (q_len_total rows,
+// kv_len keys) inside keys [kv_start, kv_end): the sum over the rows of their visible keys
+// there, in O(1) mask evaluations rather than one per row.
+int64_t visible_pairs(const MaskSpec& mask, int32_t q_start, int32_t q_len, int32_t q_len_total,
+                      int32_t kv_len, int32_t kv_start, int32_t kv_end);
+
 // Cost of one work item under the model above.
 double work_item_cost(const WorkItem& item, const MaskSpec& mask, int32_t q_len_of_request,
                       int32_t kv_len_of_request, int32_t group_size);
