@@ -7,7 +7,9 @@
 # torch SDPA, and the Python GPU tests, writing logs into OUT_DIR (at most 8 files come back).
 # Every binary runs under `timeout` so a hung kernel costs minutes, not the whole call.
 # Environment: TESSERA_SKIP_TESTS=1, TESSERA_SKIP_SANITIZER=1, TESSERA_SKIP_BENCH=1,
-# TESSERA_SKIP_PYTHON=1, TESSERA_SKIP_SM80_BENCH=1 (no sm80 side-by-side bench), TESSERA_TEST_FILTER (gtest filter for the test binaries),
+# TESSERA_SKIP_PYTHON=1, TESSERA_SKIP_SM80_BENCH=1 (no sm80 side-by-side bench),
+# TESSERA_TEST_FILTER (gtest filter for the test binaries), TESSERA_PREFILL_TEST_PASSES and
+# TESSERA_SANITIZER_PASSES (the prefill suite / its sanitizer set again under other settings),
 # TESSERA_TESTS (space-separated binary names, default all), TESSERA_BENCH_ARGS,
 # TESSERA_TIMEOUT (seconds per binary, default 300).
 # Soak (optional, off by default so the usual run keeps its length): TESSERA_SOAK_CYCLES=N runs
@@ -50,16 +52,22 @@ if [ "${TESSERA_SKIP_TESTS:-0}" != 1 ]; then
       status=1
     fi
   done
-  # The d128 176-key-tile kernel serves only requests of >= 4096 keys by default; the prefill
-  # suite again with it forced on for every non-causal ragged case covers it on every shape.
+  # The prefill suite again under settings that change which kernel path serves it: the d128
+  # 176-key-tile kernel (by default only for requests of >= 4096 keys) forced on for every
+  # non-causal ragged case, and any TESSERA_PREFILL_TEST_PASSES (';'-separated
+  # "VAR=VALUE[,VAR=VALUE]", e.g. TESSERA_SM90_KV=gather).
   if [ -x "$build/tests/test_cuda_prefill" ] && { [ -z "${TESSERA_TESTS:-}" ] ||
       [[ " $TESSERA_TESTS " == *" test_cuda_prefill "* ]]; }; then
-    echo "=== test_cuda_prefill (TESSERA_SM90_WIDE=1)" >>"$log"
-    TESSERA_SM90_WIDE=1 timeout "$limit" "$build/tests/test_cuda_prefill" --gtest_brief=1 \
-      --gtest_filter="${TESSERA_TEST_FILTER:-*}" >>"$log" 2>&1
-    rc=$?
-    echo "exit $rc" >>"$log"
-    if [ $rc -ne 0 ]; then echo "FAILED: test_cuda_prefill with TESSERA_SM90_WIDE=1" | tee -a "$log"; status=1; fi
+    IFS=';' read -ra prefill_passes <<<"TESSERA_SM90_WIDE=1${TESSERA_PREFILL_TEST_PASSES:+;$TESSERA_PREFILL_TEST_PASSES}"
+    for pass in "${prefill_passes[@]}"; do
+      IFS=',' read -ra assignments <<<"$pass"
+      echo "=== test_cuda_prefill ($pass)" >>"$log"
+      timeout "$limit" env "${assignments[@]}" "$build/tests/test_cuda_prefill" --gtest_brief=1 \
+        --gtest_filter="${TESSERA_TEST_FILTER:-*}" >>"$log" 2>&1
+      rc=$?
+      echo "exit $rc" >>"$log"
+      if [ $rc -ne 0 ]; then echo "FAILED: test_cuda_prefill with $pass" | tee -a "$log"; status=1; fi
+    done
   fi
   grep -E "^(===|exit|\[  PASSED|\[  FAILED|\[  SKIPPED|FAILED)" "$log" | head -80
 fi
@@ -104,6 +112,22 @@ if [ "${TESSERA_SKIP_SANITIZER:-0}" != 1 ]; then
       echo "=== $tool $(basename "$test")" >>"$log"
       TESSERA_TEST_REDUCED=1 timeout "$limit" compute-sanitizer --tool "$tool" --error-exitcode 99 \
         "$test" --gtest_brief=1 --gtest_filter='*Sanitizer*' >>"$log" 2>&1
+      rc=$?
+      echo "exit $rc" >>"$log"
+      [ $rc -eq 0 ] || status=1
+    done
+  done
+  # Optionally the prefill set again under other settings (TESSERA_SANITIZER_PASSES,
+  # ';'-separated "VAR=VALUE[,VAR=VALUE]"), memcheck, racecheck and synccheck.
+  IFS=';' read -ra sanitizer_passes <<<"${TESSERA_SANITIZER_PASSES:-}"
+  for pass in "${sanitizer_passes[@]}"; do
+    [ -x "$build/tests/test_cuda_prefill" ] || continue
+    IFS=',' read -ra assignments <<<"$pass"
+    for tool in memcheck racecheck synccheck; do
+      echo "=== $tool test_cuda_prefill ($pass)" >>"$log"
+      TESSERA_TEST_REDUCED=1 timeout "$limit" env "${assignments[@]}" compute-sanitizer \
+        --tool "$tool" --error-exitcode 99 "$build/tests/test_cuda_prefill" --gtest_brief=1 \
+        --gtest_filter='*Sanitizer*' >>"$log" 2>&1
       rc=$?
       echo "exit $rc" >>"$log"
       [ $rc -eq 0 ] || status=1

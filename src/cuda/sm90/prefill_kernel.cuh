@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -148,8 +149,11 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
     box_rows = std::min(page, Traits::kBlockN);
   }
   // TESSERA_SM90_KV=gather: every key tile through the cp.async gather (for timing it).
-  const char* kv_mode = std::getenv("TESSERA_SM90_KV");
-  if (kv_mode != nullptr && std::string(kv_mode) == "gather") kv_tma = false;
+  static const bool gather_all = [] {
+    const char* text = std::getenv("TESSERA_SM90_KV");
+    return text != nullptr && std::string(text) == "gather";
+  }();
+  if (gather_all) kv_tma = false;
   kv_tma =
       kv_tma &&
       encode_kv_map<Traits>(&params->k_map, problem, false, box_rows, k_heads_first, &reason) &&
@@ -157,6 +161,10 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   params->kv_tma = kv_tma ? 1 : 0;
   params->kv_heads_first = k_heads_first ? 1 : 0;
   params->kv_box_rows = kv.paged ? box_rows : 0;
+  params->page_shift = -1;
+  if (kv.paged && kv.page_size > 0 && (kv.page_size & (kv.page_size - 1)) == 0) {
+    params->page_shift = std::countr_zero(static_cast<uint32_t>(kv.page_size));
+  }
   static const int32_t box_lanes = [] {
     const char* text = std::getenv("TESSERA_SM90_BOX_LANES");
     const long lanes = text != nullptr ? std::strtol(text, nullptr, 10) : 32;

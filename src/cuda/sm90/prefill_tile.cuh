@@ -37,6 +37,9 @@ struct alignas(128) PrefillParams {
   // 1 (default): the producer loads K of key tile t + 1 before V of tile t; 0: K and V of
   // tile t, then tile t + 1 (TESSERA_SM90_K_AHEAD=0, for timing).
   int32_t k_ahead = 1;
+  // log2(page_size) when the page size is a power of two, else -1: the gather then finds a
+  // key's page with a shift instead of a division.
+  int32_t page_shift = -1;
 };
 
 // One CTA tile: tokens [token0, token0 + tokens) of a work item, all query heads of its kv head,
