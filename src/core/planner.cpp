@@ -1,6 +1,7 @@
 #include "core/planner.hpp"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -244,11 +245,39 @@ void list_pieces(const std::vector<QueryTile>& tiles, const PlanConfig& config,
   c->num_items = static_cast<int64_t>(c->pieces.size()) * heads;
 }
 
+// Sorts distinct keys ascending: LSD radix sort in 11-bit digits over the bits in use (a
+// comparison sort of a few thousand random keys is bound by branch mispredictions), skipping
+// the digits every key shares.
+void radix_sort(std::vector<uint64_t>& keys, std::vector<uint64_t>& buffer) {
+  constexpr int kDigitBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kDigitBits;
+  uint64_t all = 0;
+  for (const uint64_t key : keys) all |= key;
+  const int digits = (std::bit_width(all) + kDigitBits - 1) / kDigitBits;
+  buffer.resize(keys.size());
+  std::array<uint32_t, kBuckets> counts;
+  for (int digit = 0; digit < digits; ++digit) {
+    const int shift = digit * kDigitBits;
+    std::fill(counts.begin(), counts.end(), 0u);
+    for (const uint64_t key : keys) ++counts[(key >> shift) & (kBuckets - 1)];
+    if (counts[(keys[0] >> shift) & (kBuckets - 1)] == keys.size()) continue;  // all alike
+    uint32_t offset = 0;
+    for (uint32_t& count : counts) {
+      const uint32_t here = count;
+      count = offset;
+      offset += here;
+    }
+    for (const uint64_t key : keys) buffer[counts[(key >> shift) & (kBuckets - 1)]++] = key;
+    keys.swap(buffer);
+  }
+}
+
 // Sorts the pieces (made in (tile, piece) order) by cost descending, then tile, then piece: a
 // stable sort by cost. Nothing to do when they are in order already (uniform batches);
-// otherwise one integer key per piece, (largest - cost, position), when it fits in 64 bits.
+// otherwise one integer key per piece, (largest - cost, position), when it fits in 64 bits,
+// radix-sorted from 1024 pieces up (prefill batches: thousands of tiles).
 void sort_pieces(std::vector<Piece>& pieces, std::vector<uint64_t>& keys,
-                 std::vector<Piece>& sorted) {
+                 std::vector<uint64_t>& key_buffer, std::vector<Piece>& sorted) {
   const size_t n = pieces.size();
   double largest = 0;
   bool in_order = true;
@@ -271,7 +300,11 @@ void sort_pieces(std::vector<Piece>& pieces, std::vector<uint64_t>& keys,
   for (size_t i = 0; i < n; ++i) {
     keys[i] = ((top - static_cast<uint64_t>(pieces[i].cost)) << position_bits) | i;
   }
-  std::sort(keys.begin(), keys.end());
+  if (n >= 1024) {
+    radix_sort(keys, key_buffer);
+  } else {
+    std::sort(keys.begin(), keys.end());
+  }
   const uint64_t position_mask = (uint64_t{1} << position_bits) - 1;
   sorted.resize(n);
   for (size_t i = 0; i < n; ++i) sorted[i] = pieces[keys[i] & position_mask];
@@ -302,7 +335,8 @@ void sort_pieces(std::vector<Piece>& pieces, std::vector<uint64_t>& keys,
 // workers of one block in index order: from equal loads, the block's first worker taking an
 // item leaves its other workers the least (load, worker) keys, those of a block of lower
 // index tied at the same load having gone first. So the schedule is LPT over the W / b blocks
-// with items in groups of b: the same owners, b times fewer tree updates.
+// with items in groups of b: the same owners, b times fewer tree updates. (In LptWorkers a
+// "worker" is such a block; give() writes the b workers of one.)
 template <class Key>
 struct LptBuffers {
   std::vector<Key> tree;   // the winner tree, once every worker has had an item
@@ -422,7 +456,7 @@ struct PlannerScratch {
   std::vector<QueryTile> tiles;
   std::vector<int32_t> chunks[4];  // per split policy
   Candidate candidates[2];
-  std::vector<uint64_t> sort_keys;
+  std::vector<uint64_t> sort_keys, sort_buffer;
   std::vector<Piece> sorted_pieces;
   LptBuffers<uint64_t> lpt64;
   LptBuffers<unsigned __int128> lpt128;
@@ -664,7 +698,7 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
     const double no_better =
         first ? std::numeric_limits<double>::infinity() : best->makespan * (1.0 + 1e-9);
     if (!first && trial->lower_bound(config.num_workers) > no_better) continue;
-    sort_pieces(trial->pieces, scratch.sort_keys, scratch.sorted_pieces);
+    sort_pieces(trial->pieces, scratch.sort_keys, scratch.sort_buffer, scratch.sorted_pieces);
     if (!schedule(*trial, heads, config.num_workers, no_better, scratch)) continue;
     if (first || trial->makespan < best->makespan * (1.0 - 1e-9) ||
         (trial->makespan <= no_better && trial->num_items < best->num_items)) {
