@@ -16,7 +16,8 @@
 # tests/soak_cuda_graph (N plan/upload/CUDA-graph replay cycles, memory measured; 100000 is the
 # issue-7 figure) after the test binaries, even with TESSERA_SKIP_TESTS=1, under
 # TESSERA_SOAK_TIMEOUT seconds (default TESSERA_TIMEOUT); its output goes to tests.log.
-# TESSERA_EXTRA=1: host overheads, plan() times, DRAM read ceilings, decode under the read flush, HF latency.
+# TESSERA_EXTRA=1: host overheads, plan() times, DRAM read ceilings, decode under the read
+# flush, HF latency.
 # TESSERA_BENCH_VARIANTS: A/B runs of the bench in the same call, ';'-separated, each
 # "VAR=VALUE[,VAR=VALUE...][@FILTER]" (e.g. "TESSERA_BENCH_PAGES=ordered@p16;TESSERA_SM90_K_AHEAD=0@paged"),
 # into bench-variants.log.
