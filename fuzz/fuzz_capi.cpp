@@ -110,6 +110,14 @@ struct Arena {
     return x;
   }
 
+  // value += delta, unless that overflows (the harness's own arithmetic must stay defined;
+  // UBSan stops the run on it, as it did on an int32 index at INT32_MIN).
+  template <class T>
+  static void add_unless_overflow(T& value, int delta) {
+    T sum;
+    if (!__builtin_add_overflow(value, delta, &sum)) value = sum;
+  }
+
   // Mutates one random tensor in a way the library must either accept correctly or reject.
   void mutate() {
     if (tensors.empty()) return;
@@ -117,7 +125,7 @@ struct Arena {
     if (x->no_mutate) return;
     const int d = fdp->ConsumeIntegralInRange<int>(0, std::clamp(x->t.ndim, 1, 4) - 1);
     switch (fdp->ConsumeIntegralInRange<int>(0, 13)) {
-      case 0: x->shape[d] += fdp->ConsumeIntegralInRange<int>(-2, 2); break;
+      case 0: add_unless_overflow(x->shape[d], fdp->ConsumeIntegralInRange<int>(-2, 2)); break;
       case 1: x->strides[d] = fdp->ConsumeIntegralInRange<int>(-1, 3); x->explicit_strides = true; break;
       case 2: x->t.dtype = dl_type(static_cast<ElemKind>(fdp->ConsumeIntegralInRange<int>(0, 6))); break;
       case 3: x->t.dtype.lanes = 2; break;
@@ -134,11 +142,14 @@ struct Arena {
         break;
       case 10:
         if (!x->ints.empty()) {
-          x->ints[fdp->ConsumeIntegralInRange<size_t>(0, x->ints.size() - 1)] +=
-              fdp->ConsumeIntegralInRange<int>(-2, 2);
+          add_unless_overflow(x->ints[fdp->ConsumeIntegralInRange<size_t>(0, x->ints.size() - 1)],
+                              fdp->ConsumeIntegralInRange<int>(-2, 2));
         }
         break;
-      case 11: x->strides[d] += fdp->ConsumeIntegralInRange<int>(1, 5); x->explicit_strides = true; break;
+      case 11:
+        add_unless_overflow(x->strides[d], fdp->ConsumeIntegralInRange<int>(1, 5));
+        x->explicit_strides = true;
+        break;
       case 12: x->explicit_strides = !x->explicit_strides; break;
       case 13: x->t.dtype.bits = static_cast<uint8_t>(fdp->ConsumeIntegral<uint8_t>()); break;
     }
