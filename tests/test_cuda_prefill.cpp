@@ -461,16 +461,19 @@ TEST(CudaPrefill, PagedLayoutsAndPageSizes) {
   TESSERA_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(base_seed() + 5);
   for (KVLayout layout : {KVLayout::kNHD, KVLayout::kHND}) {
-    // 1, 7: gathered by the sm90 producer; 8 .. 128: one TMA box per page; 256: pages larger
-    // than a key tile (TMA boxes inside a page).
-    for (int32_t page_size : {1, 7, 8, 16, 64, 128, 256}) {
+    // 1, 7: gathered by the sm90 producer; 8 .. 128: one TMA box per page (8 .. 64 at head_dim
+    // 128: the page-by-page V kernel, one box per page for both column blocks, its tails
+    // gathered into the same layout); 256: pages larger than a key tile (TMA boxes inside a
+    // page). Soft-cap on every other size, so both kernel variants of each shape run.
+    int index = 0;
+    for (int32_t page_size : {1, 7, 8, 16, 32, 64, 128, 256}) {
       AttentionCase c = manual_case({64, 1, 129}, {300, 77, 129}, 8, 4, 128, DType::kBFloat16);
       c.paged = true;
       c.layout = layout;
       c.page_size = page_size;
       c.spare_pages = 3;
-      c.causal = true;
-      c.soft_cap = 30.0f;
+      c.causal = index % 3 != 2;
+      c.soft_cap = index++ % 2 == 0 ? 30.0f : 0.0f;
       SCOPED_TRACE("page_size " + std::to_string(page_size));
       check_case(c, rng);
     }
@@ -589,6 +592,13 @@ TEST(CudaPrefillSanitizer, SmallCasesEveryPath) {
     SCOPED_TRACE("sanitizer case " + std::to_string(i));
     check_case(c, rng);
   }
+  // d128 over 16-key pages (the page-by-page V kernel): a TMA key tile and a gathered tail.
+  AttentionCase c = manual_case({20, 3}, {150, 40}, 8, 2, 128, DType::kBFloat16);
+  c.paged = true;
+  c.page_size = 16;
+  c.causal = true;
+  SCOPED_TRACE("sanitizer case: page 16, head_dim 128");
+  check_case(c, rng);
 }
 
 #else  // !TESSERA_HAVE_CUDA

@@ -47,6 +47,18 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* tensor_map
       : "memory");
 }
 
+// Same as tma_load_3d for a 5-d box (paged V with the column blocks of a row in one box: head_dim
+// column, row in page, column block, head, page).
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const void* tensor_map, uint32_t bar,
+                                            int32_t c0, int32_t c1, int32_t c2, int32_t c3,
+                                            int32_t c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n" ::"r"(dst),
+      "l"(tensor_map_address(tensor_map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
 // Emits cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [map, {c0, c1, c2}], [src]:
 // stores one 3-d box from shared memory; the part outside the tensor is not written. The copy
 // joins the thread's current bulk group (tma_store_commit / tma_store_wait_read).

@@ -47,6 +47,12 @@ const PrefillKernel* prefill_kernel_d128(DType dtype, bool soft_cap);
 const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap);
 // d128 with 176-key tiles, for ragged K/V without a causal mask, window or soft-cap.
 const PrefillKernel* prefill_kernel_d128_wide(DType dtype);
+// d128 for paged caches with pages shorter than a key tile (V copied one box per page).
+const PrefillKernel* prefill_kernel_d128_paged(DType dtype, bool soft_cap);
+
+// Whether run() takes the d128 page-by-page V kernel for paged caches with pages of 8 .. 64
+// keys: yes unless TESSERA_SM90_PAGED_V=0 (for timing the two side by side).
+bool paged_v_boxes_enabled();
 
 // When the d128 176-key kernel runs: for ragged K/V without a causal mask, window or soft-cap
 // whose requests all have at least kWideTilesMinKeys keys (default), never
@@ -59,17 +65,21 @@ WideTiles wide_tiles_mode();
 inline constexpr int32_t kWideTilesMinKeys = 4096;
 
 // wide_tiles_allowed: the problem's mask and K/V allow the wide-tile kernel;
-// shortest_kv_len: the fewest keys of any request of the plan.
+// shortest_kv_len: the fewest keys of any request of the plan; small_pages: paged K/V with pages
+// shorter than a key tile and head_dim exactly 128 (the page-by-page V kernel).
 inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool soft_cap,
                                                 bool wide_tiles_allowed = false,
-                                                int64_t shortest_kv_len = 0) {
+                                                int64_t shortest_kv_len = 0,
+                                                bool small_pages = false) {
   const WideTiles mode = wide_tiles_allowed && !soft_cap ? wide_tiles_mode() : WideTiles::kOff;
   const bool wide = mode == WideTiles::kAlways ||
                     (mode == WideTiles::kLongKeys && shortest_kv_len >= kWideTilesMinKeys);
   switch (prefill_head_dim_bucket(head_dim)) {
     case 64: return prefill_kernel_d64(dtype, soft_cap);
     case 128:
-      return wide ? prefill_kernel_d128_wide(dtype) : prefill_kernel_d128(dtype, soft_cap);
+      if (wide) return prefill_kernel_d128_wide(dtype);
+      return small_pages && paged_v_boxes_enabled() ? prefill_kernel_d128_paged(dtype, soft_cap)
+                                                    : prefill_kernel_d128(dtype, soft_cap);
     case 256: return prefill_kernel_d256(dtype, soft_cap);
     default: return nullptr;
   }

@@ -19,6 +19,14 @@ int block_m_of(int bucket) {
 
 }  // namespace
 
+bool paged_v_boxes_enabled() {
+  static const bool enabled = [] {
+    const char* text = std::getenv("TESSERA_SM90_PAGED_V");
+    return text == nullptr || std::string(text) != "0";
+  }();
+  return enabled;
+}
+
 WideTiles wide_tiles_mode() {
   static const WideTiles mode = [] {
     const char* text = std::getenv("TESSERA_SM90_WIDE");

@@ -75,6 +75,7 @@ template <class Traits, DType kDType, bool kSoftCap>
 const char* prefill_kernel_name() {
   static const std::string name = "tessera::sm90::prefill<d" + std::to_string(Traits::kHeadDim) +
                                   (kDType == DType::kBFloat16 ? ", bf16" : ", fp16") +
+                                  (Traits::kVPageBoxes ? ", paged V" : "") +
                                   (kSoftCap ? ", soft_cap>" : ">");
   return name.c_str();
 }
@@ -176,6 +177,29 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   // ragged, page 16 and ragged unchanged).
   static const bool k_ahead = on_unless_zero("TESSERA_SM90_K_AHEAD");
   params->k_ahead = k_ahead ? 1 : 0;
+  // Page-by-page V (Traits::kVPageBoxes): one 5-d box per page, {64 columns, the page's rows,
+  // every column block (64 elements apart), head, page} - its strides are not increasing, which
+  // the driver accepts. Without that map (or with pages of a whole key tile) V keeps the usual
+  // layout, which is the same formula with BLOCK_N rows per page.
+  params->v_page_rows = Traits::kBlockN;
+  if constexpr (Traits::kVPageBoxes) {
+    if (kv_tma && kv.paged && box_rows < Traits::kBlockN &&
+        problem.head_dim == Traits::kHeadDim) {
+      const TensorMapDim v_dims[5] = {
+          {64, 1, 64},
+          {kv.page_size, kv.v_stride_token, static_cast<uint32_t>(box_rows)},
+          {Traits::kColumnBlocks, 64, static_cast<uint32_t>(Traits::kColumnBlocks)},
+          {problem.num_kv_heads, kv.v_stride_head, 1},
+          {std::max<int64_t>(kv.v_extent, 1), kv.v_stride_page, 1}};
+      CUtensorMap v_map;
+      if (encode_tensor_map(&v_map, kv.dtype, kv.v, v_dims, 5, &reason,
+                            /*any_stride_order=*/true)) {
+        params->v_map = v_map;
+        params->v_page_rows = box_rows;
+      }
+    }
+  }
+  params->v_page_rows_shift = std::countr_zero(static_cast<uint32_t>(params->v_page_rows));
   return true;
 }
 

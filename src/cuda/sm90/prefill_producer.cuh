@@ -244,11 +244,20 @@ class PrefillProducer {
       const int32_t row_in_page = first_key % kv.page_size;  // 0 unless page_size > BLOCK_N
       const int32_t* table = smem_.page_table(chunk % 2);
       const int32_t table_first = first_key / kv.page_size - chunk_first_page(tile, chunk);
+      // Page-by-page V (Traits::kVPageBoxes): one box per page covers every column block.
+      const bool page_boxes =
+          Traits::kVPageBoxes && values && params_.v_page_rows < Traits::kBlockN;
 #pragma unroll 1
       for (int box = threadIdx.x; box * box_rows < Traits::kBlockN; box += lanes) {
         // Box `box` starts at key first_key + box * box_rows: TMA tiles lie inside the request,
         // and box_rows is a whole number of pages when pages are smaller than a key tile.
         const int32_t page = table[table_first + box * box_rows / kv.page_size];
+        if (page_boxes) {
+          ptx::tma_load_5d(dst + box * box_rows * static_cast<uint32_t>(Traits::kColumnBlocks *
+                                                                         Traits::kRowBytes),
+                           map, full, 0, row_in_page, 0, tile.kv_head, page);
+          continue;
+        }
 #pragma unroll
         for (int block = 0; block < Traits::kColumnBlocks; ++block) {
           ptx::tma_load_4d(dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes) +
@@ -261,7 +270,14 @@ class PrefillProducer {
       return;
     }
     // Gather: thread -> 16-byte chunk (thread % 8) of rows thread / 8 + 16 i, every column
-    // block; the chunk lands at its swizzled place (chunk ^ row % 8, ptx/wgmma.cuh).
+    // block; the chunk lands at its swizzled place (chunk ^ row % 8, ptx/wgmma.cuh). Page-by-page
+    // V puts row r at page r / R, row r % R of the page, column blocks R rows apart (R =
+    // v_page_rows; R = BLOCK_N is the usual layout).
+    const bool page_layout = Traits::kVPageBoxes && values;
+    const int32_t layout_rows = page_layout ? params_.v_page_rows : Traits::kBlockN;
+    const int32_t layout_shift = page_layout ? params_.v_page_rows_shift : 0;
+    const uint32_t block_bytes = page_layout ? static_cast<uint32_t>(layout_rows) * 128u
+                                             : static_cast<uint32_t>(Traits::kKVBlockBytes);
     const auto* base = static_cast<const uint16_t*>(values ? kv.v : kv.k);
     const int64_t stride_token = values ? kv.v_stride_token : kv.k_stride_token;
     const int64_t stride_head = values ? kv.v_stride_head : kv.k_stride_head;
@@ -286,13 +302,17 @@ class PrefillProducer {
         }
         offset += int64_t{tile.kv_head} * stride_head;
       }
-      const uint32_t row_dst = dst + row * static_cast<uint32_t>(Traits::kRowBytes) +
+      const int32_t layout_row =
+          page_layout ? (row >> layout_shift) * layout_rows * Traits::kColumnBlocks +
+                            (row & (layout_rows - 1))
+                      : row;
+      const uint32_t row_dst = dst + static_cast<uint32_t>(layout_row) * Traits::kRowBytes +
                                static_cast<uint32_t>((lane_chunk ^ (row % 8)) << 4);
 #pragma unroll
       for (int block = 0; block < Traits::kColumnBlocks; ++block) {
         const int column = block * 64 + lane_chunk * 8;
         const bool valid = offset >= 0 && column < problem_.head_dim;
-        ptx::cp_async_16_zfill(row_dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes),
+        ptx::cp_async_16_zfill(row_dst + block * block_bytes,
                                valid ? base + offset + column : base, valid);
       }
     }

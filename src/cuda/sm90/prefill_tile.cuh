@@ -40,6 +40,10 @@ struct alignas(128) PrefillParams {
   // log2(page_size) when the page size is a power of two, else -1: the gather then finds a
   // key's page with a shift instead of a division.
   int32_t page_shift = -1;
+  // Traits::kVPageBoxes kernels: rows per page of the V tile layout (prefill_traits.cuh) and
+  // their log2; BLOCK_N (the usual layout) when V is not copied page by page.
+  int32_t v_page_rows = 0;
+  int32_t v_page_rows_shift = 0;
 };
 
 // One CTA tile: tokens [token0, token0 + tokens) of a work item, all query heads of its kv head,

@@ -12,6 +12,7 @@
 //   d64 : 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (113 KiB)
 //   d128: 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (209 KiB)
 //         128 x 176 (ragged, no causal mask or window), O staged in Q's buffer   (224 KiB)
+//         128 x 128 for pages of 8 .. 64 keys: V tiles page by page              (209 KiB)
 //   d256: 128 x  64, 2 consumer warpgroups, 2 K/V stages, O staged in Q's buffer  (209 KiB)
 // One CTA per SM (227 KiB of shared memory per block at most on sm_90). FA3 runs d64 with three
 // consumer warpgroups (192 rows); here the producer needs 56 registers (its paged and gather
@@ -29,13 +30,17 @@
 namespace tessera::detail::sm90 {
 
 template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_,
-          bool kSeparateOutputSmem_>
+          bool kSeparateOutputSmem_, bool kVPageBoxes_ = false>
 struct PrefillShape {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kConsumerWarpgroups = kConsumerWarpgroups_;
   static constexpr int kStages = kStages_;
   static constexpr bool kSeparateOutputSmem = kSeparateOutputSmem_;
+  // Paged caches with pages shorter than a key tile: a V tile is laid out page by page
+  // ([page][column block][rows of the page][64], params.v_page_rows rows per page), so that one
+  // TMA box copies a page's row across every column block (prefill_producer.cuh).
+  static constexpr bool kVPageBoxes = kVPageBoxes_;
 
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kBlockM = 64 * kConsumerWarpgroups;  // packed query rows per CTA tile
@@ -113,6 +118,11 @@ struct PrefillTraits<256> : PrefillShape<256, 64, 2, 2, false> {};
 // soft-cap: paged caches keep 128-key tiles (pages of 32 or 64 keys do not tile 176), causal
 // tiles would cross the diagonal more often, and the soft-cap variant spills at this width.
 struct PrefillTraitsD128Wide : PrefillShape<128, 176, 2, 2, false> {};
+
+// d128 for paged caches with pages of 8 .. 64 keys: V tiles page by page, one TMA box per page
+// for both column blocks (8 boxes of 4 KiB per V tile at page 16 instead of 16 of 2 KiB; K keeps
+// its per-block boxes, the layout Q K^T reads). Chosen by run() for such caches.
+struct PrefillTraitsD128Paged : PrefillShape<128, 128, 2, 2, true, true> {};
 
 // Named barriers (0 is __syncthreads): the consumers' epilogue barrier, the producer
 // warpgroup's own, and one per consumer warpgroup for the ping-pong schedule.

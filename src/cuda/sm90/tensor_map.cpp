@@ -31,7 +31,7 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_entry_point(std::string* why) {
 }  // namespace
 
 bool encode_tensor_map(CUtensorMap* map, DType dtype, const void* base, const TensorMapDim* dims,
-                       int rank, std::string* why) {
+                       int rank, std::string* why, bool any_stride_order) {
   constexpr int64_t kElementBytes = 2;
   if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
     *why = "TMA maps here are for fp16/bf16 tensors";
@@ -65,7 +65,7 @@ bool encode_tensor_map(CUtensorMap* map, DType dtype, const void* base, const Te
              " bytes) is not a multiple of 16 below 2^40";
       return false;
     }
-    if (stride_bytes < previous_stride_bytes) {
+    if (stride_bytes < previous_stride_bytes && !any_stride_order) {
       *why =
           "strides decrease from dimension " + std::to_string(d - 1) + " to " + std::to_string(d);
       return false;

@@ -23,8 +23,10 @@ struct TensorMapDim {
 // 5 dimensions. Dimensions of extent 1 get a virtual contiguous stride (they are never stepped).
 // Returns false, with the reason in *why, when TMA cannot describe the tensor: an address or a
 // stride that is not a multiple of 16 bytes, strides that decrease from one dimension to the
-// next, an extent beyond 2^32, or the driver refusing the map.
+// next (unless any_stride_order: the driver takes any order, and a map whose box spans the
+// column blocks of a row after its rows needs it), an extent beyond 2^32, or the driver refusing
+// the map.
 bool encode_tensor_map(CUtensorMap* map, DType dtype, const void* base, const TensorMapDim* dims,
-                       int rank, std::string* why);
+                       int rank, std::string* why, bool any_stride_order = false);
 
 }  // namespace tessera::detail::sm90
