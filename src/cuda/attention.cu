@@ -314,10 +314,9 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
                             problem.mask.window_left < 0 && problem.mask.window_right < 0;
     const int64_t shortest_kv_len =
         plan.kv_lens.empty() ? 0 : *std::min_element(plan.kv_lens.begin(), plan.kv_lens.end());
-    const bool small_pages = problem.kv.paged && problem.kv.page_size < 128 &&
-                             problem.head_dim == 128;
-    hopper = sm90::find_prefill_kernel(problem.head_dim, problem.q_dtype, soft_cap, wide_tiles,
-                                       shortest_kv_len, small_pages);
+    hopper = sm90::find_prefill_kernel(
+        problem.head_dim, problem.q_dtype, soft_cap, wide_tiles, shortest_kv_len,
+        sm90::page_by_page_v(problem.head_dim, problem.kv.paged, problem.kv.page_size));
     if (hopper != nullptr && hopper->smem_bytes > info.max_smem_per_block_optin) hopper = nullptr;
   }
   if (hopper == nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) {

@@ -50,9 +50,10 @@ const PrefillKernel* prefill_kernel_d128_wide(DType dtype);
 // d128 for paged caches with pages shorter than a key tile (V copied one box per page).
 const PrefillKernel* prefill_kernel_d128_paged(DType dtype, bool soft_cap);
 
-// Whether run() takes the d128 page-by-page V kernel for paged caches with pages of 8 .. 64
-// keys: yes unless TESSERA_SM90_PAGED_V=0 (for timing the two side by side).
-bool paged_v_boxes_enabled();
+// Whether the d128 page-by-page V kernel serves a problem: paged K/V whose pages are shorter than
+// its key tile, head_dim exactly 128 (the 5-d V box spans whole rows), and not turned off by
+// TESSERA_SM90_PAGED_V=0 (for timing the two side by side).
+bool page_by_page_v(int head_dim, bool paged, int32_t page_size);
 
 // When the d128 176-key kernel runs: for ragged K/V without a causal mask, window or soft-cap
 // whose requests all have at least kWideTilesMinKeys keys (default), never
@@ -65,12 +66,12 @@ WideTiles wide_tiles_mode();
 inline constexpr int32_t kWideTilesMinKeys = 4096;
 
 // wide_tiles_allowed: the problem's mask and K/V allow the wide-tile kernel;
-// shortest_kv_len: the fewest keys of any request of the plan; small_pages: paged K/V with pages
-// shorter than a key tile and head_dim exactly 128 (the page-by-page V kernel).
+// shortest_kv_len: the fewest keys of any request of the plan; page_by_page: page_by_page_v()
+// of the problem.
 inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool soft_cap,
                                                 bool wide_tiles_allowed = false,
                                                 int64_t shortest_kv_len = 0,
-                                                bool small_pages = false) {
+                                                bool page_by_page = false) {
   const WideTiles mode = wide_tiles_allowed && !soft_cap ? wide_tiles_mode() : WideTiles::kOff;
   const bool wide = mode == WideTiles::kAlways ||
                     (mode == WideTiles::kLongKeys && shortest_kv_len >= kWideTilesMinKeys);
@@ -78,8 +79,8 @@ inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool 
     case 64: return prefill_kernel_d64(dtype, soft_cap);
     case 128:
       if (wide) return prefill_kernel_d128_wide(dtype);
-      return small_pages && paged_v_boxes_enabled() ? prefill_kernel_d128_paged(dtype, soft_cap)
-                                                    : prefill_kernel_d128(dtype, soft_cap);
+      return page_by_page ? prefill_kernel_d128_paged(dtype, soft_cap)
+                          : prefill_kernel_d128(dtype, soft_cap);
     case 256: return prefill_kernel_d256(dtype, soft_cap);
     default: return nullptr;
   }

@@ -219,36 +219,35 @@ class PrefillConsumer {
   // B = V MN-major), one commit group.
   __device__ __forceinline__ void issue_pv(float (&o)[kOutputRegs],
                                            const uint32_t (&p)[kKeySteps][4], int stage) const {
+    // The usual layout: column blocks kKVBlockBytes apart (leading byte offset), 8-row groups
+    // 1024 bytes apart (stride byte offset), k-step s at row 16 s. Page-by-page V
+    // (prefill_traits.cuh), R rows per page: column blocks R rows apart, k-step s at page
+    // 16 s / R, row 16 s % R - its 16 keys inside one page or, at R = 8, in two pages whose
+    // 8-row halves are then a page apart.
+    uint32_t leading = static_cast<uint32_t>(Traits::kKVBlockBytes);
+    uint32_t stride = 1024;
+    uint32_t rows = Traits::kBlockN, shift = 0, page_bytes = 0;
     if constexpr (Traits::kVPageBoxes) {
-      // Page-by-page V (prefill_traits.cuh), R rows per page: column blocks R rows apart
-      // (leading byte offset), the 16 keys of a k-step inside one page - or, at R = 8, two
-      // pages, whose 8-row halves are then a page apart (stride byte offset).
-      const uint32_t rows = static_cast<uint32_t>(params_.v_page_rows);
-      const uint32_t shift = static_cast<uint32_t>(params_.v_page_rows_shift);
-      const uint32_t page_bytes = rows * Traits::kColumnBlocks * Traits::kRowBytes;
-      const uint64_t b0 = ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(
-          smem_.v(stage), rows * Traits::kRowBytes, rows >= 16 ? 1024u : page_bytes));
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int step = 0; step < kKeySteps; ++step) {
-        const uint32_t key = static_cast<uint32_t>(step * 16);
-        const uint64_t b = ptx::wgmma_descriptor_advance(
-            b0, (key >> shift) * page_bytes + (key & (rows - 1)) * Traits::kRowBytes);
-        ptx::Wgmma<Traits::kHeadDim, kDType>::rs_b_mn_major(o, p[step], b, 1);
-      }
-      ptx::wgmma_commit_group();
-    } else {
-      const uint64_t b0 = ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(
-          smem_.v(stage), static_cast<uint32_t>(Traits::kKVBlockBytes), 1024));
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int step = 0; step < kKeySteps; ++step) {
-        const uint64_t b = ptx::wgmma_descriptor_advance(
-            b0, static_cast<uint32_t>(step * 16 * Traits::kRowBytes));
-        ptx::Wgmma<Traits::kHeadDim, kDType>::rs_b_mn_major(o, p[step], b, 1);
-      }
-      ptx::wgmma_commit_group();
+      rows = static_cast<uint32_t>(params_.v_page_rows);
+      shift = static_cast<uint32_t>(params_.v_page_rows_shift);
+      page_bytes = rows * Traits::kColumnBlocks * Traits::kRowBytes;
+      leading = rows * Traits::kRowBytes;
+      if (rows < 16) stride = page_bytes;
     }
+    const uint64_t b0 =
+        ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(smem_.v(stage), leading, stride));
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kKeySteps; ++step) {
+      const uint32_t key = static_cast<uint32_t>(step * 16);
+      uint32_t offset = key * Traits::kRowBytes;
+      if constexpr (Traits::kVPageBoxes) {
+        offset = (key >> shift) * page_bytes + (key & (rows - 1)) * Traits::kRowBytes;
+      }
+      ptx::Wgmma<Traits::kHeadDim, kDType>::rs_b_mn_major(
+          o, p[step], ptx::wgmma_descriptor_advance(b0, offset), 1);
+    }
+    ptx::wgmma_commit_group();
   }
 
   // Soft-cap, mask and online softmax of key tile t; afterwards s holds the unnormalised

@@ -19,12 +19,13 @@ int block_m_of(int bucket) {
 
 }  // namespace
 
-bool paged_v_boxes_enabled() {
+bool page_by_page_v(int head_dim, bool paged, int32_t page_size) {
   static const bool enabled = [] {
     const char* text = std::getenv("TESSERA_SM90_PAGED_V");
     return text == nullptr || std::string(text) != "0";
   }();
-  return enabled;
+  using Traits = PrefillTraitsD128Paged;
+  return enabled && paged && head_dim == Traits::kHeadDim && page_size < Traits::kBlockN;
 }
 
 WideTiles wide_tiles_mode() {

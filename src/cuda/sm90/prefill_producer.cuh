@@ -276,8 +276,9 @@ class PrefillProducer {
     const bool page_layout = Traits::kVPageBoxes && values;
     const int32_t layout_rows = page_layout ? params_.v_page_rows : Traits::kBlockN;
     const int32_t layout_shift = page_layout ? params_.v_page_rows_shift : 0;
-    const uint32_t block_bytes = page_layout ? static_cast<uint32_t>(layout_rows) * 128u
-                                             : static_cast<uint32_t>(Traits::kKVBlockBytes);
+    const uint32_t block_bytes =
+        page_layout ? static_cast<uint32_t>(layout_rows) * static_cast<uint32_t>(Traits::kRowBytes)
+                    : static_cast<uint32_t>(Traits::kKVBlockBytes);
     const auto* base = static_cast<const uint16_t*>(values ? kv.v : kv.k);
     const int64_t stride_token = values ? kv.v_stride_token : kv.k_stride_token;
     const int64_t stride_head = values ? kv.v_stride_head : kv.k_stride_head;
