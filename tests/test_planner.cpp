@@ -6,6 +6,7 @@
 #include <cstring>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <queue>
 #include <random>
@@ -193,6 +194,51 @@ TEST(Planner, VisiblePairsEqualTheRowByRowCount) {
         << q_total << ", keys [" << kv_start << ", " << kv_end << ") of " << kv_len;
   }
   EXPECT_GT(nonzero, 10000);
+}
+
+// The GPU kernels' 32-bit visible_range_narrow equals the 64-bit visible_range for every row of
+// a request (0 <= i < q_len), small and near-INT32_MAX lengths and windows alike (where the
+// 32-bit sums would overflow if formed unguarded).
+TEST(Planner, NarrowVisibleRangeEqualsTheWideOne) {
+  std::mt19937_64 rng(78);
+  const auto pick = [&](int64_t lo, int64_t hi) {
+    return static_cast<int32_t>(std::uniform_int_distribution<int64_t>(lo, hi)(rng));
+  };
+  constexpr int32_t kMax = std::numeric_limits<int32_t>::max();
+  const auto length = [&](int32_t at_least) {
+    switch (pick(0, 3)) {
+      case 0: return pick(at_least, 40);
+      case 1: return pick(at_least, 5000);
+      case 2: return pick(std::max(at_least, kMax - 50), kMax);
+      default: return pick(at_least, kMax);
+    }
+  };
+  const auto window = [&]() {
+    switch (pick(0, 4)) {
+      case 0: return -1;
+      case 1: return pick(0, 60);
+      case 2: return pick(kMax - 50, kMax);
+      default: return pick(0, kMax);
+    }
+  };
+  for (int trial = 0; trial < 200000; ++trial) {
+    MaskSpec mask;
+    mask.causal = pick(0, 1) == 1;
+    mask.window_left = window();
+    mask.window_right = window();
+    const int32_t q_len = length(1);
+    const int32_t kv_len = length(0);
+    const int32_t i = pick(0, 2) == 0 ? q_len - 1 - pick(0, std::min(q_len - 1, 40))
+                                      : pick(0, q_len - 1);
+    int32_t wide_first, wide_last, narrow_first, narrow_last;
+    mask.visible_range(i, q_len, kv_len, &wide_first, &wide_last);
+    mask.visible_range_narrow(i, q_len, kv_len, &narrow_first, &narrow_last);
+    ASSERT_TRUE(wide_first == narrow_first && wide_last == narrow_last)
+        << "trial " << trial << ": causal " << mask.causal << ", window (" << mask.window_left
+        << ", " << mask.window_right << "), row " << i << " of " << q_len << ", " << kv_len
+        << " keys: wide [" << wide_first << ", " << wide_last << "), narrow [" << narrow_first
+        << ", " << narrow_last << ")";
+  }
 }
 
 // LPT bound: the busiest worker carries at most the mean plus the largest single item.

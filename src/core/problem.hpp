@@ -79,6 +79,26 @@ struct MaskSpec {
     *first = static_cast<int32_t>(lo);
     *last = static_cast<int32_t>(hi);
   }
+  // visible_range in 32-bit arithmetic, for 0 <= i < q_len and kv_len >= 0 (what the GPU
+  // kernels ask; the 64-bit form costs them ~40 instructions of wide compares and selects per
+  // call, several calls per tile). diag = i + (kv_len - q_len) lies in [kv_len - q_len, kv_len),
+  // and each window bound is formed only when it falls inside (-1, kv_len], so nothing
+  // overflows. Equal to visible_range there (tests/test_numerics.cpp checks it).
+  TESSERA_HD void visible_range_narrow(int32_t i, int32_t q_len, int32_t kv_len, int32_t* first,
+                                       int32_t* last) const {
+    const int32_t diag = i + (kv_len - q_len);
+    const int32_t after = q_len - 1 - i;  // keys past the diagonal: kv_len - 1 - diag
+    int32_t lo = 0, hi = kv_len;
+    if (causal) hi = hi < diag + 1 ? hi : diag + 1;
+    if (window_right >= 0 && window_right < after) {
+      hi = hi < diag + window_right + 1 ? hi : diag + window_right + 1;
+    }
+    if (window_left >= 0 && window_left < diag) lo = diag - window_left;
+    if (hi < lo) hi = lo;
+    if (hi < 0) lo = hi = 0;
+    *first = lo;
+    *last = hi;
+  }
   TESSERA_HD bool visible(int32_t i, int32_t j, int32_t q_len, int32_t kv_len) const {
     int32_t first, last;
     visible_range(i, q_len, kv_len, &first, &last);

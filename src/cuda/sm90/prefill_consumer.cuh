@@ -11,6 +11,8 @@
 //     wait S_t; softmax(S_t) -> P_t, correction_t    and the softmax of S_t overlaps P V
 //     wait P_{t-1} V_{t-1}
 //   O *= correction_{n-1}; O += P_{n-1} V_{n-1}; epilogue
+// (kRescaleLate kernels move each O *= correction_t to right after the wait for P_{t-1} V_{t-1},
+// out of the scheduler turn.)
 // Ping-pong between warpgroups (same paper, 3.1): a warpgroup issues its GEMMs only after the
 // previous warpgroup issued its own (named barrier per warpgroup, passed round-robin), so one
 // warpgroup's softmax runs while another's GEMMs keep the tensor cores busy.
@@ -76,6 +78,13 @@ class PrefillConsumer {
   static constexpr int kOutputRegs = Traits::kOutputRegisters;
   static constexpr int kKeySteps = Traits::kKeySteps;
   static constexpr uint32_t kSchedulerThreads = 2 * Traits::kWarpgroupThreads;
+  static constexpr bool kNarrow = Traits::kNarrowTileMath;  // prefill_tile.cuh
+  // Where O takes the correction of the key tile just softmaxed: right after the previous P V
+  // has landed (FA3's place for head_dim <= 128), or at the next scheduler turn, between the
+  // next Q K^T and P V. Measured per kernel on the H200 (docs/PERF.md, 2026-12-04 third
+  // session): late is +1..5% for the 128-key d128 kernels, -2..5% for d64 and up to -7% for
+  // d256, and the 176-key kernel spills with it.
+  static constexpr bool kRescaleLate = Traits::kHeadDim == 128 && Traits::kBlockN == 128;
 
   // The two rows of the tile this thread holds accumulator elements of (h = 0: d[4j + 0, 1],
   // h = 1: d[4j + 2, 3]), with their visible keys clamped to the work item's range.
@@ -111,7 +120,7 @@ class PrefillConsumer {
     // compute-sanitizer racecheck, and it bought no measurable time; docs/PERF.md.)
     RingState ring;
     int32_t q_count = 0;
-    for_each_prefill_tile<Traits::kBlockN>(
+    for_each_prefill_tile<Traits::kBlockN, kNarrow>(
         params_, [&](const PrefillTile& tile) { consume_tile(tile, ring, q_count); });
     // The last warpgroup's final hand-over is addressed to warpgroup 0: consume it, so no named
     // barrier is left half-arrived when the CTA exits.
@@ -178,8 +187,13 @@ class PrefillConsumer {
       rows.row[h] = row;
       int32_t first = 0, last = 0;
       if (row < tile.rows) {
-        problem_.mask.visible_range(tile.token0 + row / group, tile.q_len, tile.kv_len, &first,
-                                    &last);
+        if constexpr (kNarrow) {
+          problem_.mask.visible_range_narrow(tile.token0 + row_token(row), tile.q_len,
+                                             tile.kv_len, &first, &last);
+        } else {
+          problem_.mask.visible_range(tile.token0 + row / group, tile.q_len, tile.kv_len, &first,
+                                      &last);
+        }
         first = max(first, tile.kv_start);
         last = max(first, min(last, tile.kv_end));
       }
@@ -393,7 +407,7 @@ class PrefillConsumer {
                 key_tile_is_gathered<Traits::kBlockN>(params_, tile, t));
       scheduler_wait();
       issue_scores(s, stage);
-      rescale_output(o, softmax);
+      if constexpr (!kRescaleLate) rescale_output(o, softmax);
       wait_full(smem_.v_full(previous_stage), previous.parity<Traits::kStages>(),
                 key_tile_is_gathered<Traits::kBlockN>(params_, tile, t - 1));
       issue_pv(o, p, previous_stage);
@@ -409,12 +423,13 @@ class PrefillConsumer {
       for (int k = 0; k < kKeySteps; ++k) ptx::wgmma_fence_operands(p[k]);
       release(smem_.v_empty(previous_stage));
       pack_probabilities(s, p);
+      if constexpr (kRescaleLate) rescale_output(o, softmax);
       previous = ring;
       ++ring.count;
     }
 
-    // The last P V.
-    rescale_output(o, softmax);
+    // The last P V (a late rescale already happened in the loop; after key tile 0 O is zero).
+    if constexpr (!kRescaleLate) rescale_output(o, softmax);
     const int last_stage = previous.stage<Traits::kStages>();
     wait_full(smem_.v_full(last_stage), previous.parity<Traits::kStages>(),
               key_tile_is_gathered<Traits::kBlockN>(params_, tile, n - 1));
@@ -477,10 +492,19 @@ class PrefillConsumer {
     }
   }
 
+  // kNarrow (prefill_tile.cuh): a packed row's query token within the tile, row / group, with a
+  // shift when the group is a power of two.
+  __device__ __forceinline__ int32_t row_token(int32_t row) const {
+    return params_.group_shift >= 0 ? row >> params_.group_shift : row / params_.group;
+  }
   __device__ __forceinline__ int32_t output_token(const PrefillTile& tile, int32_t row) const {
+    if constexpr (kNarrow) return tile.q_begin + tile.token0 + row_token(row);
     return tile.q_begin + tile.token0 + row / problem_.group_size();
   }
   __device__ __forceinline__ int32_t output_head(const PrefillTile& tile, int32_t row) const {
+    if constexpr (kNarrow) {
+      return tile.kv_head * params_.group + (row - row_token(row) * params_.group);
+    }
     const int32_t group = problem_.group_size();
     return tile.kv_head * group + row % group;
   }

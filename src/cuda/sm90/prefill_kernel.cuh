@@ -118,6 +118,9 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   std::memset(static_cast<void*>(params), 0, sizeof(PrefillParams));
   params->args = args;
   params->tokens_per_tile = tile_rows / group;
+  params->group = group;
+  params->group_shift =
+      (group & (group - 1)) == 0 ? std::countr_zero(static_cast<uint32_t>(group)) : -1;
   const auto q_like = [&](int64_t extent, int64_t stride_token, int64_t stride_head,
                           TensorMapDim(&dims)[3]) {
     dims[0] = {problem.head_dim, 1, 64};
