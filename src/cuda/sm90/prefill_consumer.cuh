@@ -82,8 +82,9 @@ class PrefillConsumer {
   // Where O takes the correction of the key tile just softmaxed: right after the previous P V
   // has landed (FA3's place for head_dim <= 128), or at the next scheduler turn, between the
   // next Q K^T and P V. Measured per kernel on the H200 (docs/PERF.md, 2026-12-04 third
-  // session): late is +1..5% for the 128-key d128 kernels, -2..5% for d64 and up to -7% for
-  // d256, and the 176-key kernel spills with it.
+  // session): late is +1..5% for the 128-key d128 kernels, -2..5% for d64, -0.5% for d256 at
+  // 4k tokens (its 16k figures move by 10% between runs of the same code), and the 176-key
+  // kernel spills with it at 224 registers.
   static constexpr bool kRescaleLate = Traits::kHeadDim == 128 && Traits::kBlockN == 128;
 
   // The two rows of the tile this thread holds accumulator elements of (h = 0: d[4j + 0, 1],
