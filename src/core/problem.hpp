@@ -83,7 +83,7 @@ struct MaskSpec {
   // kernels ask; the 64-bit form costs them ~40 instructions of wide compares and selects per
   // call, several calls per tile). diag = i + (kv_len - q_len) lies in [kv_len - q_len, kv_len),
   // and each window bound is formed only when it falls inside (-1, kv_len], so nothing
-  // overflows. Equal to visible_range there (tests/test_numerics.cpp checks it).
+  // overflows. Equal to visible_range there (tests/test_planner.cpp checks it).
   TESSERA_HD void visible_range_narrow(int32_t i, int32_t q_len, int32_t kv_len, int32_t* first,
                                        int32_t* last) const {
     const int32_t diag = i + (kv_len - q_len);

@@ -188,13 +188,8 @@ class PrefillConsumer {
       rows.row[h] = row;
       int32_t first = 0, last = 0;
       if (row < tile.rows) {
-        if constexpr (kNarrow) {
-          problem_.mask.visible_range_narrow(tile.token0 + row_token(row), tile.q_len,
-                                             tile.kv_len, &first, &last);
-        } else {
-          problem_.mask.visible_range(tile.token0 + row / group, tile.q_len, tile.kv_len, &first,
-                                      &last);
-        }
+        const int32_t token = tile.token0 + (kNarrow ? row_token(row) : row / group);
+        row_visible_range<kNarrow>(problem_.mask, token, tile.q_len, tile.kv_len, &first, &last);
         first = max(first, tile.kv_start);
         last = max(first, min(last, tile.kv_end));
       }

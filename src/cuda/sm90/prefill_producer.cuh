@@ -98,10 +98,11 @@ class PrefillProducer {
     }
     RingState ring;
     int32_t q_count = 0;
-    for_each_prefill_tile<Traits::kBlockN, Traits::kNarrowTileMath>(params_, [&](const PrefillTile& tile) {
-      // A tile without keys: the consumers write o = 0 without Q or K/V.
-      if (tile.num_key_tiles > 0) produce_tile(tile, ring, q_count);
-    });
+    for_each_prefill_tile<Traits::kBlockN, Traits::kNarrowTileMath>(
+        params_, [&](const PrefillTile& tile) {
+          // A tile without keys: the consumers write o = 0 without Q or K/V.
+          if (tile.num_key_tiles > 0) produce_tile(tile, ring, q_count);
+        });
     ptx::cp_async_wait_group<0>();  // no copy of this thread outlives it
   }
 
