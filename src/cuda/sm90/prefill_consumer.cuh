@@ -491,7 +491,7 @@ class PrefillConsumer {
   // kNarrow (prefill_tile.cuh): a packed row's query token within the tile, row / group, with a
   // shift when the group is a power of two.
   __device__ __forceinline__ int32_t row_token(int32_t row) const {
-    return params_.group_shift >= 0 ? row >> params_.group_shift : row / params_.group;
+    return divide_by(row, params_.group, params_.group_shift);
   }
   __device__ __forceinline__ int32_t output_token(const PrefillTile& tile, int32_t row) const {
     if constexpr (kNarrow) return tile.q_begin + tile.token0 + row_token(row);

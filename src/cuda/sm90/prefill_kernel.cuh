@@ -103,6 +103,13 @@ bool encode_kv_map(CUtensorMap* map, const AttentionProblem& problem, bool value
   return encode_tensor_map(map, kv.dtype, base, dims, 4, why);
 }
 
+// log2(x) when x is a power of two, else -1 (the kernels then divide; see divide_by).
+inline int32_t shift_of(int32_t x) {
+  return x > 0 && std::has_single_bit(static_cast<uint32_t>(x))
+             ? std::countr_zero(static_cast<uint32_t>(x))
+             : -1;
+}
+
 // Builds the kernel parameters; false (with the reason) when TMA cannot read q - the caller then
 // runs the sm80 kernel. K/V and o fall back to gathers and plain stores on their own.
 template <class Traits>
@@ -119,8 +126,7 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   params->args = args;
   params->tokens_per_tile = tile_rows / group;
   params->group = group;
-  params->group_shift =
-      (group & (group - 1)) == 0 ? std::countr_zero(static_cast<uint32_t>(group)) : -1;
+  params->group_shift = shift_of(group);
   const auto q_like = [&](int64_t extent, int64_t stride_token, int64_t stride_head,
                           TensorMapDim(&dims)[3]) {
     dims[0] = {problem.head_dim, 1, 64};
@@ -165,10 +171,7 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   params->kv_tma = kv_tma ? 1 : 0;
   params->kv_heads_first = k_heads_first ? 1 : 0;
   params->kv_box_rows = kv.paged ? box_rows : 0;
-  params->page_shift = -1;
-  if (kv.paged && kv.page_size > 0 && (kv.page_size & (kv.page_size - 1)) == 0) {
-    params->page_shift = std::countr_zero(static_cast<uint32_t>(kv.page_size));
-  }
+  params->page_shift = kv.paged ? shift_of(kv.page_size) : -1;
   static const int32_t box_lanes = [] {
     const char* text = std::getenv("TESSERA_SM90_BOX_LANES");
     const long lanes = text != nullptr ? std::strtol(text, nullptr, 10) : 32;

@@ -293,10 +293,8 @@ class PrefillProducer {
       int64_t offset = -1;
       if (key < tile.kv_len) {
         if (kv.paged) {
-          // A shift for power-of-two pages: a 32-bit division is ~20 instructions, and the
-          // gather's issue rate is what limits it.
-          const int32_t page_in_request =
-              params_.page_shift >= 0 ? key >> params_.page_shift : key / kv.page_size;
+          // A shift for power-of-two pages: the gather's issue rate is what limits it.
+          const int32_t page_in_request = divide_by(key, kv.page_size, params_.page_shift);
           offset = int64_t{table[page_in_request - table_first]} * stride_page +
                    int64_t{key - page_in_request * kv.page_size} * stride_token;
         } else {
