@@ -7,6 +7,16 @@
 
 namespace tessera::detail::ptx {
 
+// Emits shfl.sync.idx.b32 d, value, 0, 0x1f, 0xffffffff (through __shfl_sync, which the
+// compiler understands): lane 0's value in every lane. For a value every lane already holds (a
+// warpgroup index, a ring stage) it changes nothing, but the compiler then knows the result is
+// warp-uniform and keeps what is derived from it - wgmma descriptors, barrier addresses - in
+// uniform registers instead of moving it there (R2UR) before each use (CUTLASS's
+// canonical_warp_idx_sync does the same).
+__device__ __forceinline__ int warp_uniform(int value) {
+  return __shfl_sync(0xffffffffu, value, 0);
+}
+
 // Emits setmaxnreg.inc.sync.aligned.u32 N (PTX ISA, "Miscellaneous Instructions: setmaxnreg",
 // sm_90a): the executing warpgroup's per-thread register budget grows to N (a multiple of 8 in
 // 24..256), taking registers another warpgroup released. Every warp of the warpgroup executes it.

@@ -45,10 +45,12 @@ __device__ __forceinline__ uint64_t wgmma_descriptor_sw128(uint32_t smem_address
 }
 
 // Descriptor of the same tile `bytes` further on: the start address is the low field (address
-// >> 4, 14 bits), so an offset inside the 256 KiB shared window is a plain add (no carry out of
-// the field for addresses below 2^18).
+// >> 4, 14 bits), so an offset inside the 256 KiB shared window is an add to the low 32-bit word
+// alone (no carry out of the field for addresses below 2^18); a 64-bit add would cost two
+// instructions (IADD3 + IMAD.X) per descriptor.
 __device__ __forceinline__ uint64_t wgmma_descriptor_advance(uint64_t descriptor, uint32_t bytes) {
-  return descriptor + (bytes >> 4);
+  const uint32_t low = static_cast<uint32_t>(descriptor) + (bytes >> 4);
+  return (descriptor & 0xFFFFFFFF00000000ull) | low;
 }
 
 // No instruction: hides a descriptor's value from the optimiser, so descriptors derived from

@@ -108,7 +108,7 @@ class PrefillConsumer {
       : params_(params),
         problem_(params.args.problem),
         smem_(smem),
-        warpgroup_(warpgroup),
+        warpgroup_(ptx::warp_uniform(warpgroup)),
         thread_(static_cast<int>(threadIdx.x) - Traits::kProducerThreads),
         lane_(static_cast<int>(threadIdx.x % 32)) {}
 
@@ -381,7 +381,7 @@ class PrefillConsumer {
     ++q_count;
 
     // Key tile 0.
-    int stage = ring.stage<Traits::kStages>();
+    int stage = ptx::warp_uniform(ring.stage<Traits::kStages>());
     wait_full(smem_.k_full(stage), ring.parity<Traits::kStages>(),
               key_tile_is_gathered<Traits::kBlockN>(params_, tile, 0));
     scheduler_wait();
@@ -397,8 +397,8 @@ class PrefillConsumer {
     ++ring.count;
 
     for (int t = 1; t < n; ++t) {
-      stage = ring.stage<Traits::kStages>();
-      const int previous_stage = previous.stage<Traits::kStages>();
+      stage = ptx::warp_uniform(ring.stage<Traits::kStages>());
+      const int previous_stage = ptx::warp_uniform(previous.stage<Traits::kStages>());
       wait_full(smem_.k_full(stage), ring.parity<Traits::kStages>(),
                 key_tile_is_gathered<Traits::kBlockN>(params_, tile, t));
       scheduler_wait();
@@ -426,7 +426,7 @@ class PrefillConsumer {
 
     // The last P V (a late rescale already happened in the loop; after key tile 0 O is zero).
     if constexpr (!kRescaleLate) rescale_output(o, softmax);
-    const int last_stage = previous.stage<Traits::kStages>();
+    const int last_stage = ptx::warp_uniform(previous.stage<Traits::kStages>());
     wait_full(smem_.v_full(last_stage), previous.parity<Traits::kStages>(),
               key_tile_is_gathered<Traits::kBlockN>(params_, tile, n - 1));
     scheduler_wait();
