@@ -81,11 +81,11 @@ class PrefillConsumer {
   static constexpr bool kNarrow = Traits::kNarrowTileMath;  // prefill_tile.cuh
   // Where O takes the correction of the key tile just softmaxed: right after the previous P V
   // has landed (FA3's place for head_dim <= 128), or at the next scheduler turn, between the
-  // next Q K^T and P V. Measured per kernel on the H200 (docs/PERF.md, 2026-12-04 third
-  // session): late is +1..5% for the 128-key d128 kernels, -2..5% for d64, -0.5% for d256 at
-  // 4k tokens (its 16k figures move by 10% between runs of the same code), and the 176-key
-  // kernel spills with it at 224 registers.
-  static constexpr bool kRescaleLate = Traits::kHeadDim == 128 && Traits::kBlockN == 128;
+  // next Q K^T and P V. Measured per kernel on the H200 (docs/PERF.md): late is +1..5% for the
+  // 128-key d128 kernels, -2..5% for d64, -0.5% for d256 at 4k tokens (2026-12-04), and +3.6%
+  // for the 176-key kernel at 4k tokens once the warp-uniform descriptors freed the registers it
+  // used to spill with it (2026-12-05).
+  static constexpr bool kRescaleLate = Traits::kHeadDim == 128;
 
   // The two rows of the tile this thread holds accumulator elements of (h = 0: d[4j + 0, 1],
   // h = 1: d[4j + 2, 3]), with their visible keys clamped to the work item's range.
