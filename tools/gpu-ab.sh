@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The device side of an A/B run: several builds of libtessera.so timed against each other in the
+# same call, alternating round by round (the machine's speed drifts from call to call by more
+# than most kernel changes are worth; docs/PERF.md).
+#   tools/gpu-ab.sh OUT_DIR BUILD_DIR TESTED VARIANT...
+# BUILD_DIR is a staged build (tools/stage-gpu.sh): its tessera and tests/ run against each
+# variant through LD_LIBRARY_PATH (their RUNPATH is $ORIGIN, searched after it). A variant NAME is
+# BUILD_DIR/var/NAME.so.xz (tools/stage-variant.sh makes them) or, without that file, BUILD_DIR's
+# own libtessera.so; "old" (BUILD_DIR/var/old.so.xz, or BUILD_DIR's library) is always timed last
+# in each round. Steps, all into OUT_DIR/ab.log:
+#   1. AB_TESTS (default: test_cuda_prefill test_cuda_graph test_api_sweep test_mixed_batch) and
+#      test_cuda_prefill with TESSERA_SM90_WIDE=1, on each of TEST_VARIANTS (default TESTED);
+#   2. ROUNDS (default 2) x (variants, old) of `tessera bench --quiet --filter AB_FILTER`
+#      (default "prefill"), then as many with TESSERA_SM90_WIDE=1 on AB_WIDE_FILTER if set;
+#   3. memcheck, racecheck and synccheck of test_cuda_prefill's *Sanitizer* set on TESTED, by
+#      default and with TESSERA_SM90_WIDE=1 (AB_SKIP_SANITIZER=1 skips them).
+# Summarise with `python3 tools/ab-table.py OUT_DIR/ab.log` (each variant's mean and % vs old).
+set -uo pipefail
+out=${1:?usage: tools/gpu-ab.sh OUT_DIR BUILD_DIR TESTED VARIANT...}
+build=$(cd "${2:?build dir}" && pwd)
+tested=${3:?tested variant}
+shift 3
+log=$out/ab.log
+limit=${TESSERA_TIMEOUT:-200}
+libs=$(mktemp -d)
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$log" 2>&1
+for v in "$@" old; do
+  mkdir -p "$libs/$v"
+  if [ -f "$build/var/$v.so.xz" ]; then
+    xz -dc "$build/var/$v.so.xz" >"$libs/$v/libtessera.so"
+  else
+    cp "$build/libtessera.so" "$libs/$v/"
+  fi
+done
+[ -d "$libs/$tested" ] || { echo "gpu-ab: the tested variant $tested is not among $*" >&2; exit 2; }
+
+for v in ${TEST_VARIANTS:-$tested}; do
+  for t in ${AB_TESTS:-test_cuda_prefill test_cuda_graph test_api_sweep test_mixed_batch}; do
+    [ -x "$build/tests/$t" ] || continue
+    echo "=== [$v] $t" >>"$log"
+    LD_LIBRARY_PATH=$libs/$v timeout "$limit" "$build/tests/$t" --gtest_brief=1 >>"$log" 2>&1
+    echo "exit $?" >>"$log"
+  done
+  echo "=== [$v] test_cuda_prefill (TESSERA_SM90_WIDE=1)" >>"$log"
+  LD_LIBRARY_PATH=$libs/$v TESSERA_SM90_WIDE=1 timeout "$limit" "$build/tests/test_cuda_prefill" \
+    --gtest_brief=1 >>"$log" 2>&1
+  echo "exit $?" >>"$log"
+done
+
+for r in $(seq 1 "${ROUNDS:-2}"); do
+  for v in "$@" old; do
+    echo "=== [$v] bench round $r" >>"$log"
+    LD_LIBRARY_PATH=$libs/$v timeout 300 "$build/tessera" bench --quiet \
+      --filter "${AB_FILTER:-prefill}" >>"$log" 2>&1
+  done
+done
+if [ -n "${AB_WIDE_FILTER:-}" ]; then
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    for v in "$@" old; do
+      echo "=== [$v+wide] bench round $r" >>"$log"
+      LD_LIBRARY_PATH=$libs/$v TESSERA_SM90_WIDE=1 timeout 300 "$build/tessera" bench --quiet \
+        --filter "$AB_WIDE_FILTER" >>"$log" 2>&1
+    done
+  done
+fi
+
+if [ "${AB_SKIP_SANITIZER:-0}" != 1 ]; then
+  for wide in 0 1; do
+    for tool in memcheck racecheck synccheck; do
+      echo "=== [$tested] $tool (TESSERA_SM90_WIDE=$wide)" >>"$log"
+      env LD_LIBRARY_PATH="$libs/$tested" TESSERA_TEST_REDUCED=1 \
+        $([ $wide = 1 ] && echo TESSERA_SM90_WIDE=1) timeout "$limit" compute-sanitizer \
+        --tool "$tool" --error-exitcode 99 "$build/tests/test_cuda_prefill" --gtest_brief=1 \
+        --gtest_filter='*Sanitizer*' >>"$log" 2>&1
+      echo "exit $?" >>"$log"
+    done
+  done
+fi
+rm -rf "$libs"
+grep -E "^(===|exit)|FAILED|ERROR SUMMARY" "$log" | grep -v " bench round "
