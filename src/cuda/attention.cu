@@ -308,8 +308,9 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
   if (sm90::prefill_unsupported_reason(info.sm_major, problem.head_dim, problem.num_qo_heads,
                                        problem.num_kv_heads, problem.q_dtype, problem.kv.dtype)
           .empty()) {
-    // 176-key tiles need ragged K/V (pages of 32 or 64 keys do not tile them) and no mask
-    // beyond the request's length (causal and window tiles would straddle the mask more).
+    // 176- and 192-key tiles need ragged K/V (pages of 32 or 64 keys do not tile 176, pages
+    // of 128 do not tile 192) and no mask beyond the request's length (causal and window tiles
+    // would straddle the mask more).
     const bool wide_tiles = !problem.kv.paged && !problem.mask.causal &&
                             problem.mask.window_left < 0 && problem.mask.window_right < 0;
     const int64_t shortest_kv_len =

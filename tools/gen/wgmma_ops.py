@@ -7,7 +7,7 @@ out. Run it after changing SHAPES:  python3 tools/gen/wgmma_ops.py
 """
 import pathlib
 
-SHAPES = (64, 128, 176, 256)  # N of m64nNk16; BLOCK_N of Q K^T (176: d128 wide tiles) and head_dim of P V
+SHAPES = (64, 128, 176, 192, 256)  # N of m64nNk16; BLOCK_N of Q K^T (176: d128 wide tiles, 192: d64 wide tiles) and head_dim of P V
 DTYPES = (("kFloat16", "f16"), ("kBFloat16", "bf16"))
 
 

@@ -45,8 +45,10 @@ constexpr int prefill_tile_rows(int block_m, int group) {
 const PrefillKernel* prefill_kernel_d64(DType dtype, bool soft_cap);
 const PrefillKernel* prefill_kernel_d128(DType dtype, bool soft_cap);
 const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap);
-// d128 with 176-key tiles, for ragged K/V without a causal mask, window or soft-cap.
+// d128 with 176-key tiles and d64 with 192-key tiles, for ragged K/V without a causal mask,
+// window or soft-cap.
 const PrefillKernel* prefill_kernel_d128_wide(DType dtype);
+const PrefillKernel* prefill_kernel_d64_wide(DType dtype);
 // d128 for paged caches with pages shorter than a key tile (V copied one box per page).
 const PrefillKernel* prefill_kernel_d128_paged(DType dtype, bool soft_cap);
 
@@ -55,9 +57,10 @@ const PrefillKernel* prefill_kernel_d128_paged(DType dtype, bool soft_cap);
 // TESSERA_SM90_PAGED_V=0 (for timing the two side by side).
 bool page_by_page_v(int head_dim, bool paged, int32_t page_size);
 
-// When the d128 176-key kernel runs: for ragged K/V without a causal mask, window or soft-cap
-// whose requests all have at least kWideTilesMinKeys keys (default), never
-// (TESSERA_SM90_WIDE=0) or whenever the mask allows (TESSERA_SM90_WIDE=1, for tests and timing).
+// When the wide-tile kernels (d128 176-key, d64 192-key) run: for ragged K/V without a causal
+// mask, window or soft-cap whose requests all have at least kWideTilesMinKeys keys (default),
+// never (TESSERA_SM90_WIDE=0) or whenever the mask allows (TESSERA_SM90_WIDE=1, for tests and
+// timing).
 // Short requests lose with it: 512 keys are 3 tiles of 176 with the last one partial (gathered
 // by threads, not TMA) - 334 vs 390 TFLOP/s at 32 x 512 on the H200, +1% at 4 x 4096, +10% at
 // 1 x 16384 (docs/PERF.md).
@@ -76,7 +79,7 @@ inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool 
   const bool wide = mode == WideTiles::kAlways ||
                     (mode == WideTiles::kLongKeys && shortest_kv_len >= kWideTilesMinKeys);
   switch (prefill_head_dim_bucket(head_dim)) {
-    case 64: return prefill_kernel_d64(dtype, soft_cap);
+    case 64: return wide ? prefill_kernel_d64_wide(dtype) : prefill_kernel_d64(dtype, soft_cap);
     case 128:
       if (wide) return prefill_kernel_d128_wide(dtype);
       return page_by_page ? prefill_kernel_d128_paged(dtype, soft_cap)

@@ -7,14 +7,7 @@
 namespace tessera::detail::sm90 {
 
 const PrefillKernel* prefill_kernel_d128_wide(DType dtype) {
-  using Traits = PrefillTraitsD128Wide;
-  static const PrefillKernel kernels[2] = {make_prefill_kernel<Traits, DType::kFloat16, false>(),
-                                           make_prefill_kernel<Traits, DType::kBFloat16, false>()};
-  switch (dtype) {
-    case DType::kFloat16: return &kernels[0];
-    case DType::kBFloat16: return &kernels[1];
-    default: return nullptr;
-  }
+  return select_prefill_kernel_no_soft_cap<PrefillTraitsD128Wide>(dtype);
 }
 
 }  // namespace tessera::detail::sm90

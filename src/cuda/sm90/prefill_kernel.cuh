@@ -253,4 +253,17 @@ const PrefillKernel* select_prefill_kernel(DType dtype, bool soft_cap) {
   }
 }
 
+// The two kernels of a shape built without soft-cap (fp16/bf16): the wide-tile shapes
+// (find_prefill_kernel gives soft-cap the 128-key kernels; the 176-key one spills with it).
+template <class Traits>
+const PrefillKernel* select_prefill_kernel_no_soft_cap(DType dtype) {
+  static const PrefillKernel kernels[2] = {make_prefill_kernel<Traits, DType::kFloat16, false>(),
+                                           make_prefill_kernel<Traits, DType::kBFloat16, false>()};
+  switch (dtype) {
+    case DType::kFloat16: return &kernels[0];
+    case DType::kBFloat16: return &kernels[1];
+    default: return nullptr;
+  }
+}
+
 }  // namespace tessera::detail::sm90

@@ -13,6 +13,7 @@
 //   d128: 128 x 128, 2 consumer warpgroups, 2 K/V stages, O staged apart from Q   (209 KiB)
 //         128 x 176 (ragged, no causal mask or window), O staged in Q's buffer   (224 KiB)
 //         128 x 128 for pages of 8 .. 64 keys: V tiles page by page              (209 KiB)
+//   d64 : 128 x 192 (ragged, no causal mask or window), O staged apart from Q    (144 KiB)
 //   d256: 128 x  64, 2 consumer warpgroups, 2 K/V stages, O staged in Q's buffer  (209 KiB)
 // One CTA per SM (227 KiB of shared memory per block at most on sm_90). FA3 runs d64 with three
 // consumer warpgroups (192 rows); here the producer needs 56 registers (its paged and gather
@@ -122,6 +123,12 @@ struct PrefillTraits<256> : PrefillShape<256, 64, 2, 2, false> {};
 // soft-cap: paged caches keep 128-key tiles (pages of 32 or 64 keys do not tile 176), causal
 // tiles would cross the diagonal more often, and the soft-cap variant spills at this width.
 struct PrefillTraitsD128Wide : PrefillShape<128, 176, 2, 2, false> {};
+
+// d64 with 192-key tiles for the same problems as the d128 176-key kernel (ragged K/V, no causal
+// mask, window or soft-cap, long requests): each softmax round trip and ping-pong hand-over
+// carries 50% more GEMM than with 128-key tiles (S 96 + P 48 + O 32 registers per thread).
+// 224-key tiles spill (48 bytes).
+struct PrefillTraitsD64Wide : PrefillShape<64, 192, 2, 2, true> {};
 
 // d128 for paged caches with pages of 8 .. 64 keys: V tiles page by page, one TMA box per page
 // for both column blocks (8 boxes of 4 KiB per V tile at page 16 instead of 16 of 2 KiB; K keeps
