@@ -61,9 +61,10 @@ bool page_by_page_v(int head_dim, bool paged, int32_t page_size);
 // mask, window or soft-cap whose requests all have at least kWideTilesMinKeys keys (default),
 // never (TESSERA_SM90_WIDE=0) or whenever the mask allows (TESSERA_SM90_WIDE=1, for tests and
 // timing).
-// Short requests lose with it: 512 keys are 3 tiles of 176 with the last one partial (gathered
-// by threads, not TMA) - 334 vs 390 TFLOP/s at 32 x 512 on the H200, +1% at 4 x 4096, +10% at
-// 1 x 16384 (docs/PERF.md).
+// Short requests lose with it: 512 keys are 3 tiles of 176 (or of 192) with the last one
+// partial (gathered by threads, not TMA) - d128 334 vs 390 TFLOP/s at 32 x 512 on the H200, +1%
+// at 4 x 4096, +10% at 1 x 16384; d64 214 vs 260 at 32 x 512 on an H100, +0.7% at 4 x 4096, +5%
+// at 1 x 16384 (docs/PERF.md).
 enum class WideTiles { kOff, kLongKeys, kAlways };
 WideTiles wide_tiles_mode();
 inline constexpr int32_t kWideTilesMinKeys = 4096;
