@@ -21,6 +21,10 @@ build=$(cd "${2:?build dir}" && pwd)
 tested=${3:?tested variant}
 shift 3
 log=$out/ab.log
+# tools/stage-gpu.sh stores the library xz-compressed (the carry limit): unpack it once.
+if [ ! -f "$build/libtessera.so" ] && [ -f "$build/libtessera.so.xz" ]; then
+  xz -dk "$build/libtessera.so.xz"
+fi
 limit=${TESSERA_TIMEOUT:-200}
 libs=$(mktemp -d)
 mkdir -p "$out"

@@ -27,6 +27,10 @@ set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
 mkdir -p "$out"
+# tools/stage-gpu.sh stores the library xz-compressed (the carry limit): unpack it once.
+if [ ! -f "$build/libtessera.so" ] && [ -f "$build/libtessera.so.xz" ]; then
+  xz -dk "$build/libtessera.so.xz"
+fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 limit=${TESSERA_TIMEOUT:-300}
 status=0

@@ -31,4 +31,8 @@ cp "$build"/tests/test_* "$root/.devbuild/tests/"
 cp "$build/tests/soak_cuda_graph" "$root/.devbuild/tests/"
 strip --strip-unneeded "$root/.devbuild/tessera" "$root/.devbuild"/libtessera.so* \
   "$root/.devbuild/tests"/test_* "$root/.devbuild/tests/soak_cuda_graph" 2>/dev/null || true
+# The library xz-compressed (44 MiB -> ~5): a device call carries at most 64 MiB, and an A/B
+# run carries variant libraries beside it. gpu-check.sh and gpu-ab.sh unpack it.
+rm -f "$root/.devbuild/libtessera.so.xz"
+xz -T0 -6 "$root/.devbuild/libtessera.so"
 du -sh "$root/.devbuild"

@@ -85,7 +85,11 @@ class PrefillConsumer {
   // 128-key d128 kernels, -2..5% for d64, -0.5% for d256 at 4k tokens (2026-12-04), and +3.6%
   // for the 176-key kernel at 4k tokens once the warp-uniform descriptors freed the registers it
   // used to spill with it (2026-12-05).
+#if defined(TESSERA_SM90_RESCALE_LATE_D64) && TESSERA_SM90_RESCALE_LATE_D64
+  static constexpr bool kRescaleLate = Traits::kHeadDim <= 128;
+#else
   static constexpr bool kRescaleLate = Traits::kHeadDim == 128;
+#endif
 
   // The two rows of the tile this thread holds accumulator elements of (h = 0: d[4j + 0, 1],
   // h = 1: d[4j + 2, 3]), with their visible keys clamped to the work item's range.
@@ -261,7 +265,11 @@ class PrefillConsumer {
   }
 
   // Soft-cap, mask and online softmax of key tile t; afterwards s holds the unnormalised
-  // probabilities 2^(s * scale - max * scale).
+  // probabilities 2^(s * scale - max * scale). Everything from the exponentials on (and the
+  // caller's code after it: the wait for the previous P V, P's packing, O's rescale) is one
+  // basic block: ptxas then interleaves the SFU's exponentials with the sums, conversions and
+  // multiplications. (Split into several blocks by a vote, it issued 88 FFMA, then 88 MUFU, then
+  // the sums.)
   __device__ __forceinline__ void softmax_tile(float (&s)[kScoreRegs], const PrefillTile& tile,
                                                const Rows& rows, int t, Softmax& softmax) const {
     if constexpr (kSoftCap) {
@@ -287,7 +295,7 @@ class PrefillConsumer {
         }
       }
     }
-    const float scale = params_.args.score_scale_log2;
+    float scale = params_.args.score_scale_log2;
     float base[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -309,18 +317,18 @@ class PrefillConsumer {
     }
     // One FFMA per score then suffices (FlashAttention's form). Beyond |base| = 2^20 (logits
     // near fp16's range: r can reach hundreds and 2^r underflows the row) the product is rounded
-    // on its own first, so the row maximum gives exactly 2^0 (the sm80 kernel's form). The
-    // choice is made per warp, so both rows' exponentials stay in one basic block.
-    if (__all_sync(0xffffffffu, fabsf(base[0]) < 1048576.0f && fabsf(base[1]) < 1048576.0f)) {
+    // on its own first, so the row maximum gives exactly 2^0 (the sm80 kernel's form): a warp
+    // with such a row (chosen per warp) turns its scores into those exponents first, in a block
+    // of its own, and the common FFMA below becomes s * 1 - 0, exact.
+    if (!__all_sync(0xffffffffu, fabsf(base[0]) < 1048576.0f && fabsf(base[1]) < 1048576.0f)) {
 #pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) {
-        s[i] = ptx::ex2_approx(fmaf(s[i], scale, -base[(i / 2) % 2]));
-      }
-    } else {
+      for (int i = 0; i < kScoreRegs; ++i) s[i] = __fmul_rn(s[i], scale) - base[(i / 2) % 2];
+      scale = 1.0f;
+      base[0] = base[1] = 0.0f;
+    }
 #pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) {
-        s[i] = ptx::ex2_approx(__fmul_rn(s[i], scale) - base[(i / 2) % 2]);
-      }
+    for (int i = 0; i < kScoreRegs; ++i) {
+      s[i] = ptx::ex2_approx(fmaf(s[i], scale, -base[(i / 2) % 2]));
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -336,10 +344,14 @@ class PrefillConsumer {
   __device__ __forceinline__ void rescale_output(float (&o)[kOutputRegs],
                                                  const Softmax& softmax) const {
     // Once a row's maximum settles (most key tiles of a long row), its correction is exactly
-    // 2^0 = 1: a warp whose 16 rows all kept their maximum skips the multiplications.
+    // 2^0 = 1: a warp whose 16 rows all kept their maximum could skip the multiplications, but
+    // the vote splits the basic block, and the multiplications are otherwise issued in the
+    // SFU's shadow (TESSERA_SM90_RESCALE_VOTE=1 builds the vote for comparison).
+#if defined(TESSERA_SM90_RESCALE_VOTE) && TESSERA_SM90_RESCALE_VOTE
     if (__all_sync(0xffffffffu, softmax.correction[0] == 1.0f && softmax.correction[1] == 1.0f)) {
       return;
     }
+#endif
 #pragma unroll
     for (int j = 0; j < kOutputRegs / 4; ++j) {
 #pragma unroll
