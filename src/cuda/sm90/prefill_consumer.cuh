@@ -11,8 +11,8 @@
 //     wait S_t; softmax(S_t) -> P_t, correction_t    and the softmax of S_t overlaps P V
 //     wait P_{t-1} V_{t-1}
 //   O *= correction_{n-1}; O += P_{n-1} V_{n-1}; epilogue
-// (kRescaleLate kernels move each O *= correction_t to right after the wait for P_{t-1} V_{t-1},
-// out of the scheduler turn.)
+// (kRescaleLate kernels - head_dim <= 128 - move each O *= correction_t to right after the wait
+// for P_{t-1} V_{t-1}, out of the scheduler turn, into the softmax's basic block.)
 // Ping-pong between warpgroups (same paper, 3.1): a warpgroup issues its GEMMs only after the
 // previous warpgroup issued its own (named barrier per warpgroup, passed round-robin), so one
 // warpgroup's softmax runs while another's GEMMs keep the tensor cores busy.
@@ -84,12 +84,10 @@ class PrefillConsumer {
   // next Q K^T and P V. Measured per kernel on the H200 (docs/PERF.md): late is +1..5% for the
   // 128-key d128 kernels, -2..5% for d64, -0.5% for d256 at 4k tokens (2026-12-04), and +3.6%
   // for the 176-key kernel at 4k tokens once the warp-uniform descriptors freed the registers it
-  // used to spill with it (2026-12-05).
-#if defined(TESSERA_SM90_RESCALE_LATE_D64) && TESSERA_SM90_RESCALE_LATE_D64
+  // used to spill with it (2026-12-05). Once the exponentials became one basic block with the
+  // multiplications (H100, 2026-12-05, third session), late is also +1..4% for d64 at 512 and
+  // 4096 tokens; d256 (128 output registers against 32 exponentials a tile) keeps the turn.
   static constexpr bool kRescaleLate = Traits::kHeadDim <= 128;
-#else
-  static constexpr bool kRescaleLate = Traits::kHeadDim == 128;
-#endif
 
   // The two rows of the tile this thread holds accumulator elements of (h = 0: d[4j + 0, 1],
   // h = 1: d[4j + 2, 3]), with their visible keys clamped to the work item's range.
@@ -343,15 +341,9 @@ class PrefillConsumer {
 
   __device__ __forceinline__ void rescale_output(float (&o)[kOutputRegs],
                                                  const Softmax& softmax) const {
-    // Once a row's maximum settles (most key tiles of a long row), its correction is exactly
-    // 2^0 = 1: a warp whose 16 rows all kept their maximum could skip the multiplications, but
-    // the vote splits the basic block, and the multiplications are otherwise issued in the
-    // SFU's shadow (TESSERA_SM90_RESCALE_VOTE=1 builds the vote for comparison).
-#if defined(TESSERA_SM90_RESCALE_VOTE) && TESSERA_SM90_RESCALE_VOTE
-    if (__all_sync(0xffffffffu, softmax.correction[0] == 1.0f && softmax.correction[1] == 1.0f)) {
-      return;
-    }
-#endif
+    // No vote to skip a warp whose rows all kept their maximum (correction exactly 1): with the
+    // late rescale the multiplications sit in the exponentials' basic block, in the SFU's shadow,
+    // and a vote would split that block (measured: no gain from skipping; docs/PERF.md).
 #pragma unroll
     for (int j = 0; j < kOutputRegs / 4; ++j) {
 #pragma unroll
