@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds for the GPU machine on this (CPU-only) host and stages what a device run needs into
-# .devbuild/ (git-ignored): the tessera command, libtessera.so, the Python extension
-# _fastcall.abi3.so and the test binaries.
+# .devbuild/ (git-ignored): the tessera command, libtessera.so (as libtessera.so.xz; the device
+# scripts unpack it), the Python extension _fastcall.abi3.so and the test binaries.
 # Then, with the device tool: carry [".devbuild"], command
 #   tools/gpu-check.sh "$OUT" .devbuild
 set -euo pipefail

@@ -88,6 +88,8 @@ class PrefillConsumer {
   // multiplications (H100, 2026-12-05, third session), late is also +1..4% for d64 at 512 and
   // 4096 tokens; d256 (128 output registers against 32 exponentials a tile) keeps the turn.
   static constexpr bool kRescaleLate = Traits::kHeadDim <= 128;
+  // Largest |max * scale| for which the exponentials take the one-FFMA form (softmax_tile).
+  static constexpr float kOneFfmaBaseLimit = 1048576.0f;  // 2^20
 
   // The two rows of the tile this thread holds accumulator elements of (h = 0: d[4j + 0, 1],
   // h = 1: d[4j + 2, 3]), with their visible keys clamped to the work item's range.
@@ -318,7 +320,8 @@ class PrefillConsumer {
     // on its own first, so the row maximum gives exactly 2^0 (the sm80 kernel's form): a warp
     // with such a row (chosen per warp) turns its scores into those exponents first, in a block
     // of its own, and the common FFMA below becomes s * 1 - 0, exact.
-    if (!__all_sync(0xffffffffu, fabsf(base[0]) < 1048576.0f && fabsf(base[1]) < 1048576.0f)) {
+    if (!__all_sync(0xffffffffu,
+                    fabsf(base[0]) < kOneFfmaBaseLimit && fabsf(base[1]) < kOneFfmaBaseLimit)) {
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) s[i] = __fmul_rn(s[i], scale) - base[(i / 2) % 2];
       scale = 1.0f;
