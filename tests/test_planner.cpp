@@ -337,7 +337,7 @@ TEST(Planner, EmptyRequestsAndRowsWithoutKeysGetItems) {
 // every split policy builds all its work items and an LPT schedule over a priority queue, the
 // shortest busiest worker wins (ties: fewer items). make_plan must choose the same plan.
 struct ReferencePlan {
-  std::vector<WorkItem> work;  // grouped by worker, longest first within a worker
+  std::vector<WorkItem> work;  // grouped by worker: longest first (decode) or by request, kv head, q tile
   std::vector<int32_t> worker_indptr;
   std::vector<MergeItem> merges;
   int64_t partial_rows = 0;
@@ -458,6 +458,16 @@ ReferencePlan reference_plan(const PlanShape& shape, const PlanConfig& config) {
       std::vector<int32_t> cursor(best.worker_indptr.begin(), best.worker_indptr.end() - 1);
       best.work.assign(work.size(), WorkItem{});
       for (int32_t index : order) best.work[cursor[owner[index]]++] = work[index];
+      if (shape.op != AttentionOp::kDecode) {  // K/V locality order within a worker
+        for (int32_t w = 0; w < config.num_workers; ++w) {
+          std::sort(best.work.begin() + best.worker_indptr[w],
+                    best.work.begin() + best.worker_indptr[w + 1],
+                    [](const WorkItem& x, const WorkItem& y) {
+                      return std::tie(x.request, x.kv_head, x.q_start, x.kv_start) <
+                             std::tie(y.request, y.kv_head, y.q_start, y.kv_start);
+                    });
+        }
+      }
       best.merges = merges;
       best.partial_rows = partial_rows;
       best.max_worker_cost = makespan;

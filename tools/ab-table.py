@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Summarises tools/gpu-ab.sh's ab.log: per bench case, each variant's mean rate over its rounds
-and its change against "old" (the same call's baseline).  python3 tools/ab-table.py OUT_DIR/ab.log"""
+and its change against "old" (the same call's baseline), or against the variant named by
+--base NAME.  python3 tools/ab-table.py OUT_DIR/ab.log [--base NAME]"""
 import sys, re, collections
 data = collections.defaultdict(lambda: collections.defaultdict(list))
 order = []; names = []
 cur = None
+base = sys.argv[sys.argv.index('--base') + 1] if '--base' in sys.argv else 'old'
 for line in open(sys.argv[1]):
     m = re.match(r'=== \[(\S+)\] bench round (\d+)', line)
     if m:
@@ -18,14 +20,14 @@ for line in open(sys.argv[1]):
         name, rate = m.group(1), float(m.group(3))
         if name not in names: names.append(name)
         data[cur][name].append(rate)
-vs = [v for v in order if v != 'old'] + ['old']
+vs = [v for v in order if v != base] + [base]
 print('%-44s' % 'case' + ''.join('%16s' % v for v in vs))
 for n in names:
-    old = data['old'][n]; o = sum(old)/len(old) if old else 0
+    old = data[base][n]; o = sum(old)/len(old) if old else 0
     row = '%-44s' % n
     for v in vs:
         r = data[v][n]
         if not r: row += '%16s' % '-'; continue
         a = sum(r)/len(r)
-        row += '%9.1f' % a + ('(%+5.1f)' % (100*(a/o-1)) if o and v != 'old' else '       ')
+        row += '%9.1f' % a + ('(%+5.1f)' % (100*(a/o-1)) if o and v != base else '       ')
     print(row)

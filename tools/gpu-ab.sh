@@ -7,10 +7,14 @@
 # variant through LD_LIBRARY_PATH (their RUNPATH is $ORIGIN, searched after it). A variant NAME is
 # BUILD_DIR/var/NAME.so.xz (tools/stage-variant.sh makes them) or, without that file, BUILD_DIR's
 # own libtessera.so; "old" (BUILD_DIR/var/old.so.xz, or BUILD_DIR's library) is always timed last
-# in each round. Steps, all into OUT_DIR/ab.log:
+# in each round. A variant VAR=VALUE is BUILD_DIR's library run with that environment setting
+# (e.g. TESSERA_PLAN_ORDER=cost: a knob's other side timed without a second build). Steps, all
+# into OUT_DIR/ab.log:
 #   1. AB_TESTS (default: test_cuda_prefill test_cuda_graph test_api_sweep test_mixed_batch) and
-#      test_cuda_prefill with TESSERA_SM90_WIDE=1, on each of TEST_VARIANTS (default TESTED);
-#   2. ROUNDS (default 2) x (variants, old) of `tessera bench --quiet --filter AB_FILTER`
+#      test_cuda_prefill with TESSERA_SM90_WIDE=1, on each of TEST_VARIANTS (default TESTED;
+#      AB_SKIP_TESTS=1: none);
+#   2. ROUNDS (default 2) x (variants, old; reversed in even rounds) of `tessera bench --quiet
+#      --filter AB_FILTER`
 #      (default "prefill"), then as many with TESSERA_SM90_WIDE=1 on AB_WIDE_FILTER if set;
 #   3. memcheck, racecheck and synccheck of test_cuda_prefill's *Sanitizer* set on TESTED, by
 #      default and with TESSERA_SM90_WIDE=1 (AB_SKIP_SANITIZER=1 skips them).
@@ -39,32 +43,40 @@ for v in "$@" old; do
 done
 [ -d "$libs/$tested" ] || { echo "gpu-ab: the tested variant $tested is not among $*" >&2; exit 2; }
 
+# The environment setting a variant name carries (VAR=VALUE), or nothing.
+setting() { [[ $1 == *=* ]] && echo "$1"; }
+
+[ "${AB_SKIP_TESTS:-0}" = 1 ] && TEST_VARIANTS=" "  # step 1 off: the tests run elsewhere
 for v in ${TEST_VARIANTS:-$tested}; do
   for t in ${AB_TESTS:-test_cuda_prefill test_cuda_graph test_api_sweep test_mixed_batch}; do
     [ -x "$build/tests/$t" ] || continue
     echo "=== [$v] $t" >>"$log"
-    LD_LIBRARY_PATH=$libs/$v timeout "$limit" "$build/tests/$t" --gtest_brief=1 >>"$log" 2>&1
+    env LD_LIBRARY_PATH="$libs/$v" $(setting "$v") timeout "$limit" "$build/tests/$t" \
+      --gtest_brief=1 >>"$log" 2>&1
     echo "exit $?" >>"$log"
   done
   echo "=== [$v] test_cuda_prefill (TESSERA_SM90_WIDE=1)" >>"$log"
-  LD_LIBRARY_PATH=$libs/$v TESSERA_SM90_WIDE=1 timeout "$limit" "$build/tests/test_cuda_prefill" \
-    --gtest_brief=1 >>"$log" 2>&1
+  env LD_LIBRARY_PATH="$libs/$v" $(setting "$v") TESSERA_SM90_WIDE=1 timeout "$limit" \
+    "$build/tests/test_cuda_prefill" --gtest_brief=1 >>"$log" 2>&1
   echo "exit $?" >>"$log"
 done
 
+# Even rounds run the variants in reverse order: a variant's place in a round biased its rate
+# by up to 7% on some shapes (two processes running identical plans, 2026-12-06).
+order() { if [ $(($1 % 2)) = 1 ]; then echo "$@" | cut -d' ' -f2-; else echo "$@" | cut -d' ' -f2- | tr ' ' '\n' | tac | tr '\n' ' '; fi; }
 for r in $(seq 1 "${ROUNDS:-2}"); do
-  for v in "$@" old; do
+  for v in $(order "$r" "$@" old); do
     echo "=== [$v] bench round $r" >>"$log"
-    LD_LIBRARY_PATH=$libs/$v timeout 300 "$build/tessera" bench --quiet \
+    env LD_LIBRARY_PATH="$libs/$v" $(setting "$v") timeout 300 "$build/tessera" bench --quiet \
       --filter "${AB_FILTER:-prefill}" >>"$log" 2>&1
   done
 done
 if [ -n "${AB_WIDE_FILTER:-}" ]; then
   for r in $(seq 1 "${ROUNDS:-2}"); do
-    for v in "$@" old; do
+    for v in $(order "$r" "$@" old); do
       echo "=== [$v+wide] bench round $r" >>"$log"
-      LD_LIBRARY_PATH=$libs/$v TESSERA_SM90_WIDE=1 timeout 300 "$build/tessera" bench --quiet \
-        --filter "$AB_WIDE_FILTER" >>"$log" 2>&1
+      env LD_LIBRARY_PATH="$libs/$v" $(setting "$v") TESSERA_SM90_WIDE=1 timeout 300 \
+        "$build/tessera" bench --quiet --filter "$AB_WIDE_FILTER" >>"$log" 2>&1
     done
   done
 fi

@@ -573,7 +573,29 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
   }
   if (device.type == DeviceType::kCUDA) {
     // The grid of ANCHORS.md: B x S = 16k tokens, H x D = 2048.
-    const std::vector<int> seqs = quick ? std::vector<int>{4096} : std::vector<int>{512, 4096, 16384};
+    std::vector<int> seqs = quick ? std::vector<int>{4096} : std::vector<int>{512, 4096, 16384};
+    // TESSERA_BENCH_SEQS=4096,6000,8192,...: the grid's sequence lengths instead (batch =
+    // 16384 / length requests, at least one), to time the kernel choice between lengths (the
+    // wide-tile rule) without a separate suite.
+    if (const char* text = std::getenv("TESSERA_BENCH_SEQS"); text != nullptr && *text != '\0') {
+      seqs.clear();
+      for (const char* at = text; *at != '\0';) {
+        char* end = nullptr;
+        const long value = std::strtol(at, &end, 10);
+        if (end == at || value < 1 || value > (1 << 20)) {
+          throw Error(Error::Kind::kInvalidArgument,
+                      std::string("TESSERA_BENCH_SEQS: expected comma-separated lengths in "
+                                  "1..1048576, got '") + text + "'");
+        }
+        if (*end != ',' && *end != '\0') {
+          throw Error(Error::Kind::kInvalidArgument,
+                      std::string("TESSERA_BENCH_SEQS: expected comma-separated lengths, got '") +
+                          text + "'");
+        }
+        seqs.push_back(static_cast<int>(value));
+        at = *end == ',' ? end + 1 : end;
+      }
+    }
     const std::vector<int> dims = quick ? std::vector<int>{128} : std::vector<int>{64, 128, 256};
     for (int d : dims) {
       for (bool causal : {false, true}) {

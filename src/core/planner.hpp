@@ -6,7 +6,9 @@
 // head (GQA packing: one read of a K/V tile serves the whole group). Items are costed by the
 // number of visible (query row, key) pairs plus a per-key memory term and a fixed overhead, long
 // key ranges are split (split-KV) so that no item costs more than a fair share of the total, and
-// items go longest-first onto the least-loaded worker (LPT scheduling).
+// items go longest-first onto the least-loaded worker (LPT scheduling). A prefill worker then
+// runs its items in (request, kv head, q tile) order, so that the workers share the K/V they
+// read in L2 (TESSERA_PLAN_ORDER=cost keeps longest first, for timing).
 #pragma once
 
 #include <vector>

@@ -58,7 +58,8 @@ const PrefillKernel* prefill_kernel_d128_paged(DType dtype, bool soft_cap);
 bool page_by_page_v(int head_dim, bool paged, int32_t page_size);
 
 // When the wide-tile kernels (d128 176-key, d64 192-key) run: for ragged K/V without a causal
-// mask, window or soft-cap whose requests all have at least kWideTilesMinKeys keys (default),
+// mask, window or soft-cap whose requests all have at least kWideTilesMinKeysD64 / D128 keys
+// (default),
 // never (TESSERA_SM90_WIDE=0) or whenever the mask allows (TESSERA_SM90_WIDE=1, for tests and
 // timing).
 // Short requests lose with it: 512 keys are 3 tiles of 176 (or of 192) with the last one
@@ -67,7 +68,8 @@ bool page_by_page_v(int head_dim, bool paged, int32_t page_size);
 // at 1 x 16384 (docs/PERF.md).
 enum class WideTiles { kOff, kLongKeys, kAlways };
 WideTiles wide_tiles_mode();
-inline constexpr int32_t kWideTilesMinKeys = 4096;
+inline constexpr int32_t kWideTilesMinKeysD64 = 4096;
+inline constexpr int32_t kWideTilesMinKeysD128 = 4096;
 
 // wide_tiles_allowed: the problem's mask and K/V allow the wide-tile kernel;
 // shortest_kv_len: the fewest keys of any request of the plan; page_by_page: page_by_page_v()
@@ -77,9 +79,11 @@ inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool 
                                                 int64_t shortest_kv_len = 0,
                                                 bool page_by_page = false) {
   const WideTiles mode = wide_tiles_allowed && !soft_cap ? wide_tiles_mode() : WideTiles::kOff;
+  const int bucket = prefill_head_dim_bucket(head_dim);
+  const int32_t min_keys = bucket == 64 ? kWideTilesMinKeysD64 : kWideTilesMinKeysD128;
   const bool wide = mode == WideTiles::kAlways ||
-                    (mode == WideTiles::kLongKeys && shortest_kv_len >= kWideTilesMinKeys);
-  switch (prefill_head_dim_bucket(head_dim)) {
+                    (mode == WideTiles::kLongKeys && shortest_kv_len >= min_keys);
+  switch (bucket) {
     case 64: return wide ? prefill_kernel_d64_wide(dtype) : prefill_kernel_d64(dtype, soft_cap);
     case 128:
       if (wide) return prefill_kernel_d128_wide(dtype);
