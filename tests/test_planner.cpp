@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <queue>
 #include <random>
 #include <tuple>
@@ -261,6 +262,47 @@ TEST(Planner, ImbalanceIsBounded) {
   }
 }
 
+// L2 sections (planner.cpp, step 4): causal MHA 4 x 4096 with 32 heads of 128 has 2 MiB of K/V
+// per (request, head), so sections are one request x 8 heads (16 MiB). Every worker must run its
+// items section by section, through most of the 16 sections, and the balance must stay within
+// the 2% the planner allows over plain LPT (plain LPT is within 0.1% of the mean here).
+TEST(Planner, PrefillWorkersSweepL2SectionsTogether) {
+  PlanShape shape;
+  shape.op = AttentionOp::kRaggedPrefill;
+  shape.q_lens.assign(4, 4096);
+  shape.kv_lens.assign(4, 4096);
+  shape.num_qo_heads = shape.num_kv_heads = 32;
+  shape.head_dim = 128;
+  shape.options.causal = true;
+  PlanConfig config;
+  config.q_tile_rows = 128;
+  config.num_workers = 132;
+  config.min_kv_chunk = 512;
+  const Plan plan = make_plan(shape, config);
+  check_plan(shape, plan);
+  for (int32_t w = 0; w < config.num_workers; ++w) {
+    int32_t previous = -1, sections = 0;
+    for (int32_t i = plan.worker_indptr[w]; i < plan.worker_indptr[w + 1]; ++i) {
+      const int32_t section = plan.work[i].request * 4 + plan.work[i].kv_head / 8;
+      ASSERT_GE(section, previous) << "worker " << w << " item " << i;
+      sections += section != previous;
+      previous = section;
+    }
+    EXPECT_GE(sections, 8) << "worker " << w;
+  }
+  EXPECT_LE(plan.max_worker_cost, 1.02 * plan.total_cost / config.num_workers);
+  // Decode plans keep plain LPT: longest first within a worker.
+  shape.op = AttentionOp::kDecode;
+  shape.q_lens.assign(4, 1);
+  const Plan decode = make_plan(shape, config);
+  for (int32_t w = 0; w < config.num_workers; ++w) {
+    for (int32_t i = decode.worker_indptr[w] + 1; i < decode.worker_indptr[w + 1]; ++i) {
+      EXPECT_GE(decode.work[i - 1].kv_end - decode.work[i - 1].kv_start,
+                decode.work[i].kv_end - decode.work[i].kv_start);
+    }
+  }
+}
+
 // FlashInfer's motivating case: one long request beside many short ones must not leave most
 // workers idle. With split-KV the busiest worker stays close to the mean.
 TEST(Planner, SkewedDecodeBatchIsBalancedBySplitKv) {
@@ -337,7 +379,9 @@ TEST(Planner, EmptyRequestsAndRowsWithoutKeysGetItems) {
 // every split policy builds all its work items and an LPT schedule over a priority queue, the
 // shortest busiest worker wins (ties: fewer items). make_plan must choose the same plan.
 struct ReferencePlan {
-  std::vector<WorkItem> work;  // grouped by worker: longest first (decode) or by request, kv head, q tile
+  std::vector<WorkItem> work;  // grouped by worker, in schedule order
+  std::vector<WorkItem> items;  // the winner's items in creation order, and their costs
+  std::vector<double> costs;
   std::vector<int32_t> worker_indptr;
   std::vector<MergeItem> merges;
   int64_t partial_rows = 0;
@@ -458,23 +502,86 @@ ReferencePlan reference_plan(const PlanShape& shape, const PlanConfig& config) {
       std::vector<int32_t> cursor(best.worker_indptr.begin(), best.worker_indptr.end() - 1);
       best.work.assign(work.size(), WorkItem{});
       for (int32_t index : order) best.work[cursor[owner[index]]++] = work[index];
-      if (shape.op != AttentionOp::kDecode) {  // K/V locality order within a worker
-        for (int32_t w = 0; w < config.num_workers; ++w) {
-          std::sort(best.work.begin() + best.worker_indptr[w],
-                    best.work.begin() + best.worker_indptr[w + 1],
-                    [](const WorkItem& x, const WorkItem& y) {
-                      return std::tie(x.request, x.kv_head, x.q_start, x.kv_start) <
-                             std::tie(y.request, y.kv_head, y.q_start, y.kv_start);
-                    });
-        }
-      }
       best.merges = merges;
+      best.items = work;
+      best.costs = costs;
       best.partial_rows = partial_rows;
       best.max_worker_cost = makespan;
       best_items = work.size();
     }
   }
   best.total_cost = total_cost;
+  // Prefill: L2 sections (planner.cpp, step 4) - request groups x kv-head chunks of at most
+  // 16 MiB of K and V, groups with the longest item first, LPT section by section, kept when the
+  // busiest worker carries at most 2% more.
+  const int64_t budget = int64_t{16} << 20, per_key = int64_t{4} * shape.head_dim;
+  int64_t longest = 0, all_kv = 0;
+  for (int32_t len : shape.kv_lens) {
+    longest = std::max<int64_t>(longest, len);
+    all_kv += len;
+  }
+  if (shape.op == AttentionOp::kDecode || all_kv * per_key * shape.num_kv_heads <= budget) {
+    return best;
+  }
+  int32_t chunk = 1;
+  for (int32_t c = shape.num_kv_heads; c >= 1; --c) {
+    if (shape.num_kv_heads % c == 0 && c * longest * per_key <= budget) {
+      chunk = c;
+      break;
+    }
+  }
+  std::vector<int32_t> group_of(shape.kv_lens.size());
+  int32_t groups = 0;
+  for (size_t r = 0, filled = 0; r < shape.kv_lens.size(); ++r) {
+    const int64_t bytes = int64_t{shape.kv_lens[r]} * per_key * chunk;
+    if (filled > 0 && static_cast<int64_t>(filled) + bytes > budget) {
+      ++groups;
+      filled = 0;
+    }
+    group_of[r] = groups;
+    filled += static_cast<size_t>(bytes);
+  }
+  std::vector<double> group_top(static_cast<size_t>(groups) + 1, 0.0);
+  for (size_t i = 0; i < best.items.size(); ++i) {
+    double& top = group_top[group_of[best.items[i].request]];
+    top = std::max(top, best.costs[i]);
+  }
+  std::vector<int32_t> group_rank(group_top.size());
+  {
+    std::vector<int32_t> order(group_top.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int32_t a, int32_t b) { return group_top[a] > group_top[b]; });
+    for (size_t k = 0; k < order.size(); ++k) group_rank[order[k]] = static_cast<int32_t>(k);
+  }
+  std::vector<int32_t> order(best.items.size());
+  std::iota(order.begin(), order.end(), 0);
+  const auto key = [&](int32_t i) {
+    const WorkItem& it = best.items[i];
+    return std::make_tuple(group_rank[group_of[it.request]], it.kv_head / chunk, -best.costs[i],
+                           it.request, it.q_start, it.kv_start, it.kv_head);
+  };
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return key(a) < key(b); });
+  using Load = std::pair<double, int32_t>;
+  std::priority_queue<Load, std::vector<Load>, std::greater<Load>> loads;
+  for (int32_t w = 0; w < config.num_workers; ++w) loads.push({0.0, w});
+  std::vector<int32_t> owner(best.items.size());
+  std::vector<double> worker_cost(config.num_workers, 0.0);
+  for (int32_t index : order) {
+    auto [load, worker] = loads.top();
+    loads.pop();
+    owner[index] = worker;
+    worker_cost[worker] = load + best.costs[index];
+    loads.push({worker_cost[worker], worker});
+  }
+  const double makespan = *std::max_element(worker_cost.begin(), worker_cost.end());
+  if (makespan > best.max_worker_cost * 1.02) return best;
+  best.worker_indptr.assign(config.num_workers + 1, 0);
+  for (int32_t w : owner) ++best.worker_indptr[w + 1];
+  for (int32_t w = 0; w < config.num_workers; ++w) best.worker_indptr[w + 1] += best.worker_indptr[w];
+  std::vector<int32_t> cursor(best.worker_indptr.begin(), best.worker_indptr.end() - 1);
+  for (int32_t index : order) best.work[cursor[owner[index]]++] = best.items[index];
+  best.max_worker_cost = makespan;
   return best;
 }
 

@@ -452,6 +452,18 @@ class LptWorkers {
   int32_t idle_ = 0;   // workers idle_.. have had no item yet
 };
 
+// The sections of a prefill plan (step 4): request groups x kv-head chunks.
+struct Sections {
+  int32_t chunk_heads = 0;             // kv heads per chunk, a divisor of the kv heads
+  int32_t chunks = 0;                  // kv heads / chunk_heads
+  int32_t num_groups = 0;
+  std::vector<int32_t> group_of;       // per request
+  std::vector<int32_t> group_order;    // groups, longest item first
+  std::vector<int32_t> group_first;    // per group: its first piece in `pieces` (+ end)
+  std::vector<Piece> pieces;           // the candidate's pieces, by group, cost descending
+  std::vector<int32_t> next;           // make_sections' cursor per group
+};
+
 // Buffers reused from call to call on a thread: a serving engine plans every step, and once
 // they have grown a plan allocates nothing but its own lists.
 struct PlannerScratch {
@@ -463,15 +475,15 @@ struct PlannerScratch {
   LptBuffers<uint64_t> lpt64;
   LptBuffers<unsigned __int128> lpt128;
   std::vector<int32_t> first_merge, pieces_of, cursor;
-  std::vector<int32_t> first_piece, owner_by_piece;  // locality order (step 4)
-  std::vector<Piece> tile_pieces;
+  Sections sections;                    // step 4
+  std::vector<int32_t> section_owner;
   std::vector<int64_t> first_partial_row;
 
   // A very large plan's buffers are not kept for the next call.
   void trim() {
     constexpr size_t kKeep = size_t{1} << 16;
     if (tiles.capacity() > kKeep || candidates[0].owner.capacity() > 16 * kKeep ||
-        candidates[1].owner.capacity() > 16 * kKeep) {
+        candidates[1].owner.capacity() > 16 * kKeep || section_owner.capacity() > 16 * kKeep) {
       *this = PlannerScratch();
     }
   }
@@ -518,22 +530,134 @@ bool schedule(Candidate& c, int32_t heads, int32_t workers, double stop_above,
   return schedule_with(c, heads, blocks, block, shift, stop_above, scratch.lpt128);
 }
 
-// 4. Order within a worker (prefill plans). A worker's load does not depend on the order of its
-//    items, but which K/V the GPU's L2 holds does: longest first, every worker runs the same
-//    query tile index at the same time, each for a different (request, kv head), so the K/V
-//    in flight at once is that of every head of the batch (4 x 4096 tokens, 32 heads of 128:
-//    256 MB against a 50 MB L2) and each key tile is read from DRAM again for every query tile
-//    of its head. In (request, kv head, q tile, piece) order the workers sweep the (request,
-//    kv head) pairs together: the K/V read at one time is that of a few heads, shared by all of
-//    their query tiles (FlashAttention-3 orders its causal tiles head-section by section for
-//    the same reason). Decode items each read their own K/V; they keep the schedule's order.
-//    TESSERA_PLAN_ORDER=cost keeps the longest-first order for prefill too (for timing).
-bool locality_order_enabled() {
-  static const bool enabled = [] {
-    const char* text = std::getenv("TESSERA_PLAN_ORDER");
-    return text == nullptr || std::string(text) != "cost";
+// 4. L2 sections (prefill plans). Longest first, every worker runs the same query tile index at
+//    the same time, each for a different (request, kv head): the K/V in flight at once is that
+//    of every head of the batch (4 x 4096 tokens, 32 heads of 128: 256 MB against a 50 MB L2),
+//    and a key tile is read from DRAM again for every query tile of its head. So prefill items
+//    are scheduled section by section instead: a section is a group of consecutive requests
+//    and a chunk of their kv heads whose K and V together take at most kL2SectionBytes
+//    (16-bit elements assumed), LPT within each section from the loads the sections before it
+//    left, sections with the longest items first. The workers then sweep the sections together
+//    and read each section's K/V from DRAM about once (FlashAttention-3 orders its tiles in
+//    head sections for the same reason). Kept only when its busiest worker carries at most
+//    kSectionMakespanSlack more than plain LPT's; decode items each read their own K/V and keep
+//    plain LPT. TESSERA_PLAN_ORDER=cost turns sections off (for timing); TESSERA_PLAN_L2_MB sets
+//    the section size in MiB.
+constexpr int64_t kL2SectionBytes = int64_t{16} << 20;
+constexpr double kSectionMakespanSlack = 0.02;
+
+int64_t section_bytes() {
+  static const int64_t bytes = [] {
+    const char* order = std::getenv("TESSERA_PLAN_ORDER");
+    if (order != nullptr && std::string(order) == "cost") return int64_t{0};
+    const char* mib = std::getenv("TESSERA_PLAN_L2_MB");
+    if (mib != nullptr && *mib != '\0') {
+      const long value = std::strtol(mib, nullptr, 10);
+      return value > 0 ? int64_t{value} << 20 : int64_t{0};
+    }
+    return kL2SectionBytes;
   }();
-  return enabled;
+  return bytes;
+}
+
+// Fills `sec` for the shape (false: one section would hold everything, nothing to do).
+bool make_sections(const PlanShape& shape, const std::vector<QueryTile>& tiles,
+                   const std::vector<Piece>& sorted_pieces, int32_t heads, int64_t budget,
+                   Sections& sec) {
+  if (budget <= 0) return false;
+  const int64_t per_key = int64_t{2} * 2 * shape.head_dim;  // K and V, 16-bit
+  int64_t largest = 0, total = 0;
+  for (int32_t kv_len : shape.kv_lens) {
+    largest = std::max<int64_t>(largest, kv_len);
+    total += kv_len;
+  }
+  if (total * per_key * heads <= budget) return false;
+  // The largest divisor of heads whose chunk of the longest request fits the budget.
+  int32_t chunk = 1;
+  for (int32_t c = heads; c >= 1; --c) {
+    if (heads % c == 0 && c * largest * per_key <= budget) {
+      chunk = c;
+      break;
+    }
+  }
+  sec.chunk_heads = chunk;
+  sec.chunks = heads / chunk;
+  const size_t batch = shape.kv_lens.size();
+  sec.group_of.resize(batch);
+  int32_t group = 0;
+  int64_t filled = 0;
+  for (size_t r = 0; r < batch; ++r) {
+    const int64_t bytes = int64_t{shape.kv_lens[r]} * per_key * chunk;
+    if (filled > 0 && filled + bytes > budget) {
+      ++group;
+      filled = 0;
+    }
+    sec.group_of[r] = group;
+    filled += bytes;
+  }
+  sec.num_groups = group + 1;
+  // The pieces by group, each group's in the candidate's order (cost descending): a stable
+  // counting sort.
+  sec.group_first.assign(static_cast<size_t>(sec.num_groups) + 1, 0);
+  for (const Piece& piece : sorted_pieces) {
+    ++sec.group_first[static_cast<size_t>(sec.group_of[tiles[piece.tile].request]) + 1];
+  }
+  for (int32_t g = 0; g < sec.num_groups; ++g) sec.group_first[g + 1] += sec.group_first[g];
+  sec.pieces.resize(sorted_pieces.size());
+  sec.next.assign(sec.group_first.begin(), sec.group_first.end() - 1);
+  for (const Piece& piece : sorted_pieces) {
+    sec.pieces[static_cast<size_t>(sec.next[sec.group_of[tiles[piece.tile].request]]++)] = piece;
+  }
+  // Groups whose largest item is largest first (ties: request order), so that no long item is
+  // left to the end of the schedule.
+  sec.group_order.resize(static_cast<size_t>(sec.num_groups));
+  std::iota(sec.group_order.begin(), sec.group_order.end(), 0);
+  const auto top = [&](int32_t g) {
+    return sec.group_first[g] < sec.group_first[g + 1] ? sec.pieces[sec.group_first[g]].cost : 0.0;
+  };
+  std::stable_sort(sec.group_order.begin(), sec.group_order.end(),
+                   [&](int32_t a, int32_t b) { return top(a) > top(b); });
+  return true;
+}
+
+// Calls visit(piece, kv head) for every item of the sectioned schedule, in its order: sections
+// (group order, then chunk), within one the group's pieces (cost descending), each piece kv head
+// by kv head of the chunk.
+template <class Visit>
+void for_each_section_item(const Sections& sec, Visit&& visit) {
+  for (int32_t g : sec.group_order) {
+    for (int32_t c = 0; c < sec.chunks; ++c) {
+      for (int32_t i = sec.group_first[g]; i < sec.group_first[g + 1]; ++i) {
+        for (int32_t h = c * sec.chunk_heads; h < (c + 1) * sec.chunk_heads; ++h) {
+          visit(sec.pieces[static_cast<size_t>(i)], h);
+        }
+      }
+    }
+  }
+}
+
+// LPT over the sectioned item order into `owner`; returns the busiest worker's load.
+template <class Key>
+double schedule_sections_with(const Sections& sec, int32_t workers, LptBuffers<Key>& buffers,
+                              std::vector<int32_t>& owner) {
+  const int32_t block = std::gcd(workers, sec.chunk_heads);
+  const int32_t blocks = workers / block;
+  const int shift = std::bit_width(static_cast<uint32_t>(blocks - 1));
+  LptWorkers<Key> lpt(buffers, blocks, shift, block);
+  int32_t* out = owner.data();
+  for (int32_t g : sec.group_order) {
+    for (int32_t c = 0; c < sec.chunks; ++c) {
+      for (int32_t run = sec.group_first[g]; run < sec.group_first[g + 1];) {
+        int32_t end = run + 1;
+        while (end < sec.group_first[g + 1] && sec.pieces[end].cost == sec.pieces[run].cost) ++end;
+        const int64_t count = int64_t{end - run} * sec.chunk_heads;
+        lpt.assign(static_cast<int64_t>(sec.pieces[run].cost), count / block, out);
+        out += count;
+        run = end;
+      }
+    }
+  }
+  return static_cast<double>(lpt.max_load());
 }
 
 }  // namespace
@@ -729,8 +853,8 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   }
 
   // The winner's work items: merges and partial rows in (request, q tile, kv head) order,
-  // items grouped by worker, each worker's items in longest-first order (then, for prefill,
-  // in K/V locality order: step 4).
+  // items grouped by worker, each worker's items in the schedule's order (longest first, or
+  // section by section: step 4).
   const std::vector<int32_t>& best_chunks = *best->chunks;
   std::vector<int32_t>& first_merge = scratch.first_merge;
   std::vector<int32_t>& pieces_of = scratch.pieces_of;
@@ -759,7 +883,29 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
                             "+ partial rows, more than 2^31 - 1");
     }
   }
-  const std::vector<int32_t>& owner = best->owner;
+  // Step 4: the sectioned schedule of the winner's pieces, when it balances about as well.
+  Sections& sections = scratch.sections;
+  std::vector<int32_t>& section_owner = scratch.section_owner;
+  double makespan = best->makespan;
+  bool sectioned = false;
+  if (shape.op != AttentionOp::kDecode &&
+      make_sections(shape, tiles, best->pieces, heads, section_bytes(), sections)) {
+    section_owner.resize(best->owner.size());
+    const int32_t workers = config.num_workers;
+    const int32_t blocks = workers / std::gcd(workers, sections.chunk_heads);
+    const int shift = std::bit_width(static_cast<uint32_t>(blocks - 1));
+    const bool fits64 = best->item_cost.exact() &&
+                        (shift == 0 || (static_cast<uint64_t>(best->item_cost.exact_value()) >>
+                                        (64 - shift)) == 0);
+    const double sectioned_makespan =
+        fits64 ? schedule_sections_with(sections, workers, scratch.lpt64, section_owner)
+               : schedule_sections_with(sections, workers, scratch.lpt128, section_owner);
+    if (sectioned_makespan <= best->makespan * (1.0 + kSectionMakespanSlack)) {
+      sectioned = true;
+      makespan = sectioned_makespan;
+    }
+  }
+  const std::vector<int32_t>& owner = sectioned ? section_owner : best->owner;
   plan.worker_indptr.assign(config.num_workers + 1, 0);
   for (int32_t worker : owner) ++plan.worker_indptr[worker + 1];
   for (int32_t w = 0; w < config.num_workers; ++w) {
@@ -772,23 +918,24 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   int32_t* const next_slot = cursor.data();
   const int32_t* worker_of_item = owner.data();
   const std::vector<Piece>& pieces = best->pieces;
-  // Step 4 (prefill): the items go out in (request, kv head, q tile, piece) order instead; the
-  // schedule's pass below then only records each (piece, kv head)'s worker, by kv head and the
-  // piece's place in tile order (first_piece[t] + piece index).
-  const bool locality = shape.op != AttentionOp::kDecode && locality_order_enabled();
-  std::vector<int32_t>& first_piece = scratch.first_piece;
-  std::vector<int32_t>& owner_by_piece = scratch.owner_by_piece;
-  std::vector<Piece>& tile_pieces = scratch.tile_pieces;
-  if (locality) {
-    first_piece.resize(tiles.size() + 1);
-    first_piece[0] = 0;
-    for (size_t i = 0; i < tiles.size(); ++i) first_piece[i + 1] = first_piece[i] + pieces_of[i];
-    tile_pieces.resize(static_cast<size_t>(first_piece[tiles.size()]));
-    owner_by_piece.resize(tile_pieces.size() * static_cast<size_t>(heads));
+  if (sectioned) {
+    // Items in the sectioned schedule's order, each to the next free slot of its worker.
+    for_each_section_item(sections, [&](const Piece& piece, int32_t h) {
+      const int32_t t = piece.tile;
+      const QueryTile& tile = tiles[t];
+      WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end, -1};
+      if (pieces_of[t] > 1) {
+        item.partial_row = static_cast<int32_t>(
+            first_partial_row[t] +
+            (int64_t{h} * pieces_of[t] + piece.index) * (int64_t{tile.q_len} * group));
+        item.merge_index = first_merge[t] + h;
+      }
+      work[next_slot[*worker_of_item++]++] = item;
+    });
   }
   // Items in the schedule's order (see item order above), one run of a tile's equal-cost pieces
   // at a time, each to the next free slot of its worker.
-  for (size_t run = 0; run < pieces.size();) {
+  for (size_t run = 0; run < pieces.size() && !sectioned;) {
     size_t end = run + 1;
     while (end < pieces.size() && pieces[end].cost == pieces[run].cost &&
            pieces[end].tile == pieces[run].tile) {
@@ -797,18 +944,7 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
     const int32_t t = pieces[run].tile;
     const QueryTile& tile = tiles[t];
     const int32_t splits = pieces_of[t];
-    if (locality) {
-      const size_t run_size = end - run;
-      for (size_t p = run; p < end; ++p) {
-        tile_pieces[static_cast<size_t>(first_piece[t] + pieces[p].index)] = pieces[p];
-      }
-      for (int32_t h = 0; h < heads; ++h) {
-        for (size_t p = 0; p < run_size; ++p) {
-          const size_t at = static_cast<size_t>(first_piece[t] + pieces[run + p].index);
-          owner_by_piece[static_cast<size_t>(h) * tile_pieces.size() + at] = *worker_of_item++;
-        }
-      }
-    } else if (splits == 1) {  // a whole tile: one piece
+    if (splits == 1) {  // a whole tile: one piece
       WorkItem item{tile.request, 0, tile.q_start, tile.q_len, tile.kv_start, tile.kv_end, -1};
       for (int32_t h = 0; h < heads; ++h) {
         item.kv_head = h;
@@ -830,38 +966,8 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
     }
     run = end;
   }
-  if (locality) {
-    for (size_t first = 0; first < tiles.size();) {  // the tiles of one request
-      size_t last = first + 1;
-      while (last < tiles.size() && tiles[last].request == tiles[first].request) ++last;
-      for (int32_t h = 0; h < heads; ++h) {
-        for (size_t t = first; t < last; ++t) {
-          const QueryTile& tile = tiles[t];
-          const int32_t splits = pieces_of[t];
-          const int32_t* owners = owner_by_piece.data() + static_cast<size_t>(h) * tile_pieces.size() +
-                                  static_cast<size_t>(first_piece[t]);
-          if (splits == 1) {
-            work[next_slot[*owners]++] =
-                WorkItem{tile.request, h, tile.q_start, tile.q_len, tile.kv_start, tile.kv_end, -1};
-            continue;
-          }
-          const int64_t rows = int64_t{tile.q_len} * group;
-          for (int32_t p = 0; p < splits; ++p, ++owners) {
-            const Piece& piece = tile_pieces[static_cast<size_t>(first_piece[t] + p)];
-            WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end,
-                          -1};
-            item.partial_row =
-                static_cast<int32_t>(first_partial_row[t] + (int64_t{h} * splits + p) * rows);
-            item.merge_index = first_merge[t] + h;
-            work[next_slot[*owners]++] = item;
-          }
-        }
-      }
-      first = last;
-    }
-  }
   plan.total_cost = total_cost;
-  plan.max_worker_cost = best->makespan;  // the busiest worker's load
+  plan.max_worker_cost = makespan;  // the busiest worker's load
   scratch.trim();
   if (capacity.fixed()) {
     const auto exceeds = [&](const char* what, int64_t needed, int64_t limit) {

@@ -6,9 +6,10 @@
 // head (GQA packing: one read of a K/V tile serves the whole group). Items are costed by the
 // number of visible (query row, key) pairs plus a per-key memory term and a fixed overhead, long
 // key ranges are split (split-KV) so that no item costs more than a fair share of the total, and
-// items go longest-first onto the least-loaded worker (LPT scheduling). A prefill worker then
-// runs its items in (request, kv head, q tile) order, so that the workers share the K/V they
-// read in L2 (TESSERA_PLAN_ORDER=cost keeps longest first, for timing).
+// items go longest-first onto the least-loaded worker (LPT scheduling). Prefill plans whose K/V
+// exceed an L2 section (16 MiB) are scheduled section by section (request groups x kv-head
+// chunks), so that the workers read the same K/V from L2 at the same time (planner.cpp, step 4;
+// TESSERA_PLAN_ORDER=cost: plain LPT, for timing).
 #pragma once
 
 #include <vector>

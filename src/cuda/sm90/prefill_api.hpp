@@ -59,17 +59,18 @@ bool page_by_page_v(int head_dim, bool paged, int32_t page_size);
 
 // When the wide-tile kernels (d128 176-key, d64 192-key) run: for ragged K/V without a causal
 // mask, window or soft-cap whose requests all have at least kWideTilesMinKeysD64 / D128 keys
-// (default),
-// never (TESSERA_SM90_WIDE=0) or whenever the mask allows (TESSERA_SM90_WIDE=1, for tests and
-// timing).
-// Short requests lose with it: 512 keys are 3 tiles of 176 (or of 192) with the last one
-// partial (gathered by threads, not TMA) - d128 334 vs 390 TFLOP/s at 32 x 512 on the H200, +1%
-// at 4 x 4096, +10% at 1 x 16384; d64 214 vs 260 at 32 x 512 on an H100, +0.7% at 4 x 4096, +5%
-// at 1 x 16384 (docs/PERF.md).
+// (default), never (TESSERA_SM90_WIDE=0) or whenever the mask allows (TESSERA_SM90_WIDE=1, for
+// tests and timing). Short requests lose with it: 512 keys are 3 tiles of 176 (or of 192) with
+// the last one partial (gathered by threads, not TMA) - d128 334 vs 390 TFLOP/s at 32 x 512 on
+// the H200; d64 214 vs 260 at 32 x 512 on an H100, +0.7% at 4 x 4096, +5% at 1 x 16384. Since
+// the one-block softmax the 128-key d128 kernel wins at 4096 keys (H100, 2026-12-06: 683.9 vs
+// 661.2 TFLOP/s at 4 x 4096), ties at 6144 and 8192, and loses from 10000 keys up (677 vs 693
+// at 1 x 10000, 661 vs 715 at 1 x 12288, 708 vs 719 at 1 x 16384): d128 switches at 8192
+// (docs/PERF.md).
 enum class WideTiles { kOff, kLongKeys, kAlways };
 WideTiles wide_tiles_mode();
 inline constexpr int32_t kWideTilesMinKeysD64 = 4096;
-inline constexpr int32_t kWideTilesMinKeysD128 = 4096;
+inline constexpr int32_t kWideTilesMinKeysD128 = 8192;
 
 // wide_tiles_allowed: the problem's mask and K/V allow the wide-tile kernel;
 // shortest_kv_len: the fewest keys of any request of the plan; page_by_page: page_by_page_v()

@@ -1,6 +1,6 @@
 // FlashAttention-3 style forward for prefill on Hopper (sm_90a): warp-specialised, TMA + wgmma,
 // persistent CTAs walking the planner's work lists (one CTA per SM; the planner orders each
-// worker's items in (request, kv head, q tile) order, for L2 reuse of K/V).
+// worker's items in L2 sections of K/V, longest first within each).
 //
 //   warpgroup 0       producer: TMA (or cp.async gather) of Q and the K/V ring   (24-32 regs)
 //   warpgroups 1..C   consumers: wgmma, online softmax, epilogue              (160-240 regs)
