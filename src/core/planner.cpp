@@ -532,7 +532,7 @@ bool schedule(Candidate& c, int32_t heads, int32_t workers, double stop_above,
 
 // 4. L2 sections (prefill plans). Longest first, every worker runs the same query tile index at
 //    the same time, each for a different (request, kv head): the K/V in flight at once is that
-//    of every head of the batch (4 x 4096 tokens, 32 heads of 128: 256 MB against a 50 MB L2),
+//    of every head of the batch (4 x 4096 tokens, 16 heads of 128: 128 MiB against a 50 MiB L2),
 //    and a key tile is read from DRAM again for every query tile of its head. So prefill items
 //    are scheduled section by section instead: a section is a group of consecutive requests
 //    and a chunk of their kv heads whose K and V together take at most kL2SectionBytes
@@ -552,8 +552,8 @@ int64_t section_bytes() {
     if (order != nullptr && std::string(order) == "cost") return int64_t{0};
     const char* mib = std::getenv("TESSERA_PLAN_L2_MB");
     if (mib != nullptr && *mib != '\0') {
-      const long value = std::strtol(mib, nullptr, 10);
-      return value > 0 ? int64_t{value} << 20 : int64_t{0};
+      const long value = std::strtol(mib, nullptr, 10);  // 0 or less: no sections
+      return value > 0 ? int64_t{std::min(value, 1L << 30)} << 20 : int64_t{0};
     }
     return kL2SectionBytes;
   }();
