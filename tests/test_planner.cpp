@@ -541,6 +541,7 @@ ReferencePlan reference_plan(const PlanShape& shape, const PlanConfig& config) {
     group_of[r] = groups;
     filled += static_cast<size_t>(bytes);
   }
+  if (groups == 0 && chunk == shape.num_kv_heads) return best;  // one section: plain LPT
   std::vector<double> group_top(static_cast<size_t>(groups) + 1, 0.0);
   for (size_t i = 0; i < best.items.size(); ++i) {
     double& top = group_top[group_of[best.items[i].request]];
@@ -717,6 +718,39 @@ TEST(Planner, ServingBatchesMatchTheReferencePlan) {
     with_merges += !plan.merges.empty();
   }
   EXPECT_GT(with_merges, 100) << "too few trials split a key range";
+}
+
+// The sectioned schedule (planner.cpp, step 4) against the reference on shapes that reach it:
+// K/V above 16 MiB, kv heads that give chunks of 1..12 heads and worker blocks of several
+// workers (gcd(workers, chunk heads) > 1), head_dim 64..256, empty requests, windows, splits.
+TEST(Planner, SectionedPlansMatchTheReferencePlan) {
+  std::mt19937_64 rng(2026);
+  const auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (int trial = 0; trial < 120; ++trial) {
+    PlanShape shape;
+    shape.op = trial % 2 == 0 ? AttentionOp::kRaggedPrefill : AttentionOp::kPagedPrefill;
+    shape.num_kv_heads = std::vector<int>{1, 2, 3, 4, 6, 8, 12}[uniform(0, 6)];
+    shape.num_qo_heads = shape.num_kv_heads * std::vector<int>{1, 2, 4}[uniform(0, 2)];
+    shape.head_dim = std::vector<int>{64, 128, 256}[uniform(0, 2)];
+    shape.page_size = 16;
+    shape.options.causal = uniform(0, 1) == 1;
+    if (uniform(0, 3) == 0) shape.options.window_left = uniform(0, 4096);
+    const int batch = uniform(1, 40);
+    for (int b = 0; b < batch; ++b) {
+      const int kv = uniform(0, 9) == 0 ? 0 : uniform(1, 16384);
+      const int q = uniform(0, 9) == 0 ? 0 : std::min(kv, uniform(1, 4096));
+      shape.q_lens.push_back(q);
+      shape.kv_lens.push_back(kv);
+    }
+    PlanConfig config = random_config(rng, shape.num_qo_heads / shape.num_kv_heads);
+    config.q_tile_rows = std::max(config.q_tile_rows, 64);  // tiles of serving size
+    config.min_kv_chunk = std::max(config.min_kv_chunk, 128);
+    if (uniform(0, 1) == 1) config.num_workers = 12 * uniform(1, 16);  // blocks of 2..12
+    const Plan plan = make_plan(shape, config);
+    SCOPED_TRACE("sectioned trial " + std::to_string(trial));
+    expect_same_as_reference(shape, plan);
+    if (HasFatalFailure()) return;
+  }
 }
 
 TEST(Planner, GroupLargerThanTileIsAClearError) {

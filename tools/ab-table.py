@@ -6,8 +6,14 @@ import sys, re, collections
 data = collections.defaultdict(lambda: collections.defaultdict(list))
 order = []; names = []
 cur = None
-base = sys.argv[sys.argv.index('--base') + 1] if '--base' in sys.argv else 'old'
-for line in open(sys.argv[1]):
+args = sys.argv[1:]
+base = 'old'
+if '--base' in args:
+    at = args.index('--base')
+    if at + 1 >= len(args): sys.exit('ab-table: --base needs a variant name')
+    base = args[at + 1]
+    del args[at:at + 2]
+for line in open(args[0]):
     m = re.match(r'=== \[(\S+)\] bench round (\d+)', line)
     if m:
         cur = m.group(1)

@@ -6,8 +6,8 @@
 # BUILD_DIR is a staged build (tools/stage-gpu.sh): its tessera and tests/ run against each
 # variant through LD_LIBRARY_PATH (their RUNPATH is $ORIGIN, searched after it). A variant NAME is
 # BUILD_DIR/var/NAME.so.xz (tools/stage-variant.sh makes them) or, without that file, BUILD_DIR's
-# own libtessera.so; "old" (BUILD_DIR/var/old.so.xz, or BUILD_DIR's library) is always timed last
-# in each round. A variant VAR=VALUE is BUILD_DIR's library run with that environment setting
+# own libtessera.so; "old" (BUILD_DIR/var/old.so.xz, or BUILD_DIR's library) is timed last in
+# odd rounds and first in even ones. A variant VAR=VALUE is BUILD_DIR's library run with that environment setting
 # (e.g. TESSERA_PLAN_ORDER=cost: a knob's other side timed without a second build). Steps, all
 # into OUT_DIR/ab.log:
 #   1. AB_TESTS (default: test_cuda_prefill test_cuda_graph test_api_sweep test_mixed_batch) and
@@ -85,7 +85,7 @@ if [ "${AB_SKIP_SANITIZER:-0}" != 1 ]; then
   for wide in 0 1; do
     for tool in memcheck racecheck synccheck; do
       echo "=== [$tested] $tool (TESSERA_SM90_WIDE=$wide)" >>"$log"
-      env LD_LIBRARY_PATH="$libs/$tested" TESSERA_TEST_REDUCED=1 \
+      env LD_LIBRARY_PATH="$libs/$tested" $(setting "$tested") TESSERA_TEST_REDUCED=1 \
         $([ $wide = 1 ] && echo TESSERA_SM90_WIDE=1) timeout "$limit" compute-sanitizer \
         --tool "$tool" --error-exitcode 99 "$build/tests/test_cuda_prefill" --gtest_brief=1 \
         --gtest_filter='*Sanitizer*' >>"$log" 2>&1

@@ -571,7 +571,7 @@ bool make_sections(const PlanShape& shape, const std::vector<QueryTile>& tiles,
     largest = std::max<int64_t>(largest, kv_len);
     total += kv_len;
   }
-  if (total * per_key * heads <= budget) return false;
+  if (total <= budget / (per_key * heads)) return false;  // all of it fits one section
   // The largest divisor of heads whose chunk of the longest request fits the budget.
   int32_t chunk = 1;
   for (int32_t c = heads; c >= 1; --c) {
@@ -596,6 +596,7 @@ bool make_sections(const PlanShape& shape, const std::vector<QueryTile>& tiles,
     filled += bytes;
   }
   sec.num_groups = group + 1;
+  if (sec.num_groups == 1 && sec.chunks == 1) return false;  // one section: plain LPT
   // The pieces by group, each group's in the candidate's order (cost descending): a stable
   // counting sort.
   sec.group_first.assign(static_cast<size_t>(sec.num_groups) + 1, 0);
