@@ -494,6 +494,26 @@ PlannerScratch& planner_scratch() {
   return scratch;
 }
 
+// LptWorkers' geometry for items that come `per_piece` at a time (kv heads of a piece): blocks
+// of gcd(workers, per_piece) workers, the bits of the largest block index, and whether every
+// load (at most the total cost) fits a uint64_t key beside them.
+struct LptGeometry {
+  int32_t block = 1;
+  int32_t blocks = 1;
+  int shift = 0;
+  bool fits64 = false;
+};
+
+LptGeometry lpt_geometry(int32_t workers, int32_t per_piece, const CostSum& total) {
+  LptGeometry g;
+  g.block = std::gcd(workers, per_piece);
+  g.blocks = workers / g.block;
+  g.shift = std::bit_width(static_cast<uint32_t>(g.blocks - 1));
+  g.fits64 = total.exact() &&
+             (g.shift == 0 || (static_cast<uint64_t>(total.exact_value()) >> (64 - g.shift)) == 0);
+  return g;
+}
+
 template <class Key>
 bool schedule_with(Candidate& c, int32_t heads, int32_t blocks, int32_t block, int shift,
                    double stop_above, LptBuffers<Key>& buffers) {
@@ -519,15 +539,9 @@ bool schedule_with(Candidate& c, int32_t heads, int32_t blocks, int32_t block, i
 bool schedule(Candidate& c, int32_t heads, int32_t workers, double stop_above,
               PlannerScratch& scratch) {
   c.owner.resize(static_cast<size_t>(c.num_items));
-  const int32_t block = std::gcd(workers, heads);  // workers in blocks (LptWorkers)
-  const int32_t blocks = workers / block;
-  const int shift = std::bit_width(static_cast<uint32_t>(blocks - 1));
-  // Every load is at most the candidate's total cost.
-  const bool fits64 = c.item_cost.exact() &&
-                      (shift == 0 || (static_cast<uint64_t>(c.item_cost.exact_value()) >>
-                                      (64 - shift)) == 0);
-  if (fits64) return schedule_with(c, heads, blocks, block, shift, stop_above, scratch.lpt64);
-  return schedule_with(c, heads, blocks, block, shift, stop_above, scratch.lpt128);
+  const LptGeometry g = lpt_geometry(workers, heads, c.item_cost);  // workers in blocks
+  if (g.fits64) return schedule_with(c, heads, g.blocks, g.block, g.shift, stop_above, scratch.lpt64);
+  return schedule_with(c, heads, g.blocks, g.block, g.shift, stop_above, scratch.lpt128);
 }
 
 // 4. L2 sections (prefill plans). Longest first, every worker runs the same query tile index at
@@ -544,6 +558,7 @@ bool schedule(Candidate& c, int32_t heads, int32_t workers, double stop_above,
 //    plain LPT. TESSERA_PLAN_ORDER=cost turns sections off (for timing); TESSERA_PLAN_L2_MB sets
 //    the section size in MiB.
 constexpr int64_t kL2SectionBytes = int64_t{16} << 20;
+constexpr int64_t kSectionElementBytes = 2;  // K/V element size assumed (fp16 / bf16)
 constexpr double kSectionMakespanSlack = 0.02;
 
 int64_t section_bytes() {
@@ -565,7 +580,7 @@ bool make_sections(const PlanShape& shape, const std::vector<QueryTile>& tiles,
                    const std::vector<Piece>& sorted_pieces, int32_t heads, int64_t budget,
                    Sections& sec) {
   if (budget <= 0) return false;
-  const int64_t per_key = int64_t{2} * 2 * shape.head_dim;  // K and V, 16-bit
+  const int64_t per_key = 2 * kSectionElementBytes * shape.head_dim;  // K and V of one key
   int64_t largest = 0, total = 0;
   for (int32_t kv_len : shape.kv_lens) {
     largest = std::max<int64_t>(largest, kv_len);
@@ -639,12 +654,10 @@ void for_each_section_item(const Sections& sec, Visit&& visit) {
 
 // LPT over the sectioned item order into `owner`; returns the busiest worker's load.
 template <class Key>
-double schedule_sections_with(const Sections& sec, int32_t workers, LptBuffers<Key>& buffers,
+double schedule_sections_with(const Sections& sec, const LptGeometry& g, LptBuffers<Key>& buffers,
                               std::vector<int32_t>& owner) {
-  const int32_t block = std::gcd(workers, sec.chunk_heads);
-  const int32_t blocks = workers / block;
-  const int shift = std::bit_width(static_cast<uint32_t>(blocks - 1));
-  LptWorkers<Key> lpt(buffers, blocks, shift, block);
+  const int32_t block = g.block;
+  LptWorkers<Key> lpt(buffers, g.blocks, g.shift, block);
   int32_t* out = owner.data();
   for (int32_t g : sec.group_order) {
     for (int32_t c = 0; c < sec.chunks; ++c) {
@@ -892,15 +905,11 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   if (shape.op != AttentionOp::kDecode &&
       make_sections(shape, tiles, best->pieces, heads, section_bytes(), sections)) {
     section_owner.resize(best->owner.size());
-    const int32_t workers = config.num_workers;
-    const int32_t blocks = workers / std::gcd(workers, sections.chunk_heads);
-    const int shift = std::bit_width(static_cast<uint32_t>(blocks - 1));
-    const bool fits64 = best->item_cost.exact() &&
-                        (shift == 0 || (static_cast<uint64_t>(best->item_cost.exact_value()) >>
-                                        (64 - shift)) == 0);
+    const LptGeometry g =
+        lpt_geometry(config.num_workers, sections.chunk_heads, best->item_cost);
     const double sectioned_makespan =
-        fits64 ? schedule_sections_with(sections, workers, scratch.lpt64, section_owner)
-               : schedule_sections_with(sections, workers, scratch.lpt128, section_owner);
+        g.fits64 ? schedule_sections_with(sections, g, scratch.lpt64, section_owner)
+                 : schedule_sections_with(sections, g, scratch.lpt128, section_owner);
     if (sectioned_makespan <= best->makespan * (1.0 + kSectionMakespanSlack)) {
       sectioned = true;
       makespan = sectioned_makespan;
@@ -919,53 +928,49 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   int32_t* const next_slot = cursor.data();
   const int32_t* worker_of_item = owner.data();
   const std::vector<Piece>& pieces = best->pieces;
+  // Work item of piece `piece` of tile t for kv head h (a split tile's piece writes its partial
+  // rows and names its merge).
+  const auto piece_item = [&](int32_t t, const Piece& piece, int32_t h) {
+    const QueryTile& tile = tiles[t];
+    WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end, -1};
+    if (pieces_of[t] > 1) {
+      item.partial_row = static_cast<int32_t>(
+          first_partial_row[t] +
+          (int64_t{h} * pieces_of[t] + piece.index) * (int64_t{tile.q_len} * group));
+      item.merge_index = first_merge[t] + h;
+    }
+    return item;
+  };
   if (sectioned) {
     // Items in the sectioned schedule's order, each to the next free slot of its worker.
     for_each_section_item(sections, [&](const Piece& piece, int32_t h) {
-      const int32_t t = piece.tile;
-      const QueryTile& tile = tiles[t];
-      WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end, -1};
-      if (pieces_of[t] > 1) {
-        item.partial_row = static_cast<int32_t>(
-            first_partial_row[t] +
-            (int64_t{h} * pieces_of[t] + piece.index) * (int64_t{tile.q_len} * group));
-        item.merge_index = first_merge[t] + h;
-      }
-      work[next_slot[*worker_of_item++]++] = item;
+      work[next_slot[*worker_of_item++]++] = piece_item(piece.tile, piece, h);
     });
-  }
-  // Items in the schedule's order (see item order above), one run of a tile's equal-cost pieces
-  // at a time, each to the next free slot of its worker.
-  for (size_t run = 0; run < pieces.size() && !sectioned;) {
-    size_t end = run + 1;
-    while (end < pieces.size() && pieces[end].cost == pieces[run].cost &&
-           pieces[end].tile == pieces[run].tile) {
-      ++end;
-    }
-    const int32_t t = pieces[run].tile;
-    const QueryTile& tile = tiles[t];
-    const int32_t splits = pieces_of[t];
-    if (splits == 1) {  // a whole tile: one piece
-      WorkItem item{tile.request, 0, tile.q_start, tile.q_len, tile.kv_start, tile.kv_end, -1};
-      for (int32_t h = 0; h < heads; ++h) {
-        item.kv_head = h;
-        work[next_slot[*worker_of_item++]++] = item;
+  } else {
+    // Items in the schedule's order (see item order above), one run of a tile's equal-cost
+    // pieces at a time, each to the next free slot of its worker.
+    for (size_t run = 0; run < pieces.size();) {
+      size_t end = run + 1;
+      while (end < pieces.size() && pieces[end].cost == pieces[run].cost &&
+             pieces[end].tile == pieces[run].tile) {
+        ++end;
       }
-    } else {
-      const int64_t rows = int64_t{tile.q_len} * group;
-      for (int32_t h = 0; h < heads; ++h) {
-        for (size_t p = run; p < end; ++p) {
-          const Piece& piece = pieces[p];
-          WorkItem item{tile.request, h, tile.q_start, tile.q_len, piece.kv_start, piece.kv_end,
-                        -1};
-          item.partial_row = static_cast<int32_t>(
-              first_partial_row[t] + (int64_t{h} * splits + piece.index) * rows);
-          item.merge_index = first_merge[t] + h;
+      const int32_t t = pieces[run].tile;
+      if (pieces_of[t] == 1) {  // a whole tile: one piece, built once
+        WorkItem item = piece_item(t, pieces[run], 0);
+        for (int32_t h = 0; h < heads; ++h) {
+          item.kv_head = h;
           work[next_slot[*worker_of_item++]++] = item;
         }
+      } else {
+        for (int32_t h = 0; h < heads; ++h) {
+          for (size_t p = run; p < end; ++p) {
+            work[next_slot[*worker_of_item++]++] = piece_item(t, pieces[p], h);
+          }
+        }
       }
+      run = end;
     }
-    run = end;
   }
   plan.total_cost = total_cost;
   plan.max_worker_cost = makespan;  // the busiest worker's load
