@@ -480,6 +480,31 @@ TEST(CudaPrefill, PagedLayoutsAndPageSizes) {
   }
 }
 
+// The page-by-page V kernel at its largest page (two pages per key tile): every dtype, soft-cap
+// and mask variant, GQA groups 1 and 4, both layouts, requests ending inside a page and inside a
+// key tile (their last tile gathered into the page layout), an empty request, and one of
+// exactly one page.
+TEST(CudaPrefill, PagesOf64KeysEveryVariant) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 11);
+  int index = 0;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (int group : {1, 4}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        AttentionCase c = manual_case({70, 0, 64, 33}, {200, 0, 64, 390}, 8, 8 / group, 128, dtype);
+        c.paged = true;
+        c.layout = index % 2 == 0 ? KVLayout::kNHD : KVLayout::kHND;
+        c.page_size = 64;
+        c.spare_pages = 2;
+        c.causal = variant != 1;
+        c.soft_cap = variant == 2 ? 25.0f : 0.0f;
+        SCOPED_TRACE("case " + std::to_string(index++));
+        check_case(c, rng);
+      }
+    }
+  }
+}
+
 // ---- errors ----
 
 TEST(CudaPrefill, RejectsFp8KvCacheNamingKDtype) {
@@ -598,6 +623,11 @@ TEST(CudaPrefillSanitizer, SmallCasesEveryPath) {
   c.page_size = 16;
   c.causal = true;
   SCOPED_TRACE("sanitizer case: page 16, head_dim 128");
+  check_case(c, rng);
+  // d128 over 64-key pages (two per key tile): a TMA key tile and a gathered tail.
+  c.page_size = 64;
+  c.causal = false;
+  SCOPED_TRACE("sanitizer case: page 64, head_dim 128");
   check_case(c, rng);
 }
 
