@@ -39,7 +39,8 @@ enum class Mode : int { kRagged3d, kRagged4d, kPage4d, kPage5d };
 
 struct Params {
   CUtensorMap map;
-  int mode;
+  Mode mode;
+  int boxes;  // per key tile
   int page_rows;
   int pages;
   int iterations;
@@ -58,11 +59,6 @@ __global__ void __launch_bounds__(32, 1) copy_tiles(const __grid_constant__ Para
   }
   __syncwarp();
   const int tiles_per_head = kTokens / kTileRows;
-  const int boxes_per_tile = p.mode == static_cast<int>(Mode::kRagged3d) ? 2
-                             : p.mode == static_cast<int>(Mode::kRagged4d)
-                                 ? 1
-                                 : (p.mode == static_cast<int>(Mode::kPage4d) ? 2 : 1) *
-                                       (kTileRows / p.page_rows);
   for (int i = 0; i < p.iterations; ++i) {
     const int stage = i % p.stages;
     const uint32_t bar = bars + 8 * stage;
@@ -72,8 +68,8 @@ __global__ void __launch_bounds__(32, 1) copy_tiles(const __grid_constant__ Para
     const uint32_t dst = base + stage * kTileBytes;
     if (lane == 0) ptx::mbarrier_arrive_expect_tx(bar, kTileBytes);
     __syncwarp();
-    for (int box = lane; box < boxes_per_tile; box += 32) {
-      switch (static_cast<Mode>(p.mode)) {
+    for (int box = lane; box < p.boxes; box += 32) {
+      switch (p.mode) {
         case Mode::kRagged3d:
           ptx::tma_load_3d(dst + box * (kTileBytes / 2), &p.map, bar, box * 64, head,
                            tile * kTileRows);
@@ -104,6 +100,16 @@ __global__ void __launch_bounds__(32, 1) copy_tiles(const __grid_constant__ Para
     const int stage = i % p.stages;
     ptx::mbarrier_wait(bars + 8 * stage, static_cast<uint32_t>((i / p.stages - 1) & 1));
   }
+}
+
+int boxes_per_tile(Mode mode, int page_rows) {
+  switch (mode) {
+    case Mode::kRagged3d: return 2;  // one per column block
+    case Mode::kRagged4d: return 1;
+    case Mode::kPage4d: return 2 * (kTileRows / page_rows);
+    case Mode::kPage5d: return kTileRows / page_rows;
+  }
+  return 0;
 }
 
 bool make_map(CUtensorMap* map, const void* data, Mode mode, int page_rows, std::string* why) {
@@ -172,7 +178,8 @@ int main() {
         std::printf("%-22s map failed: %s\n", c.name, why.c_str());
         break;
       }
-      p.mode = static_cast<int>(c.mode);
+      p.mode = c.mode;
+      p.boxes = boxes_per_tile(c.mode, c.page_rows);
       p.page_rows = c.page_rows;
       p.pages = kTokens / c.page_rows;
       p.stages = stages;

@@ -622,7 +622,9 @@ TEST(Planner, FastSearchChoosesTheReferencePlan) {
     expect_same_as_reference(shape, plan);
     if (HasFatalFailure()) return;
   }
-  const auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const auto uniform = [&](int lo, int hi) {
+    return std::uniform_int_distribution<int>(lo, hi)(rng);
+  };
   for (int trial = 0; trial < 200; ++trial) {
     PlanShape shape;
     shape.op = trial % 2 == 0 ? AttentionOp::kDecode : AttentionOp::kPagedPrefill;
@@ -662,7 +664,9 @@ TEST(Planner, FastSearchChoosesTheReferencePlan) {
 // Each shape is planned twice in a row (the second call reuses the buffers of the first).
 TEST(Planner, ServingBatchesMatchTheReferencePlan) {
   std::mt19937_64 rng(20260505);
-  const auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const auto uniform = [&](int lo, int hi) {
+    return std::uniform_int_distribution<int>(lo, hi)(rng);
+  };
   int with_merges = 0;
   for (int trial = 0; trial < 600; ++trial) {
     PlanShape shape;
@@ -725,7 +729,9 @@ TEST(Planner, ServingBatchesMatchTheReferencePlan) {
 // workers (gcd(workers, chunk heads) > 1), head_dim 64..256, empty requests, windows, splits.
 TEST(Planner, SectionedPlansMatchTheReferencePlan) {
   std::mt19937_64 rng(2026);
-  const auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const auto uniform = [&](int lo, int hi) {
+    return std::uniform_int_distribution<int>(lo, hi)(rng);
+  };
   for (int trial = 0; trial < 120; ++trial) {
     PlanShape shape;
     shape.op = trial % 2 == 0 ? AttentionOp::kRaggedPrefill : AttentionOp::kPagedPrefill;

@@ -515,9 +515,9 @@ LptGeometry lpt_geometry(int32_t workers, int32_t per_piece, const CostSum& tota
 }
 
 template <class Key>
-bool schedule_with(Candidate& c, int32_t heads, int32_t blocks, int32_t block, int shift,
-                   double stop_above, LptBuffers<Key>& buffers) {
-  LptWorkers<Key> lpt(buffers, blocks, shift, block);
+bool schedule_with(Candidate& c, int32_t heads, const LptGeometry& g, double stop_above,
+                   LptBuffers<Key>& buffers) {
+  LptWorkers<Key> lpt(buffers, g.blocks, g.shift, g.block);
   // The item order keeps the items of equal-cost pieces together: one run each, of
   // (pieces x heads) / block groups.
   int64_t position = 0;
@@ -525,7 +525,8 @@ bool schedule_with(Candidate& c, int32_t heads, int32_t blocks, int32_t block, i
     size_t end = run + 1;
     while (end < c.pieces.size() && c.pieces[end].cost == c.pieces[run].cost) ++end;
     const int64_t count = static_cast<int64_t>(end - run) * heads;
-    lpt.assign(static_cast<int64_t>(c.pieces[run].cost), count / block, c.owner.data() + position);
+    lpt.assign(static_cast<int64_t>(c.pieces[run].cost), count / g.block,
+               c.owner.data() + position);
     position += count;
     run = end;
     if (static_cast<double>(lpt.max_load()) > stop_above) return false;
@@ -540,8 +541,8 @@ bool schedule(Candidate& c, int32_t heads, int32_t workers, double stop_above,
               PlannerScratch& scratch) {
   c.owner.resize(static_cast<size_t>(c.num_items));
   const LptGeometry g = lpt_geometry(workers, heads, c.item_cost);  // workers in blocks
-  if (g.fits64) return schedule_with(c, heads, g.blocks, g.block, g.shift, stop_above, scratch.lpt64);
-  return schedule_with(c, heads, g.blocks, g.block, g.shift, stop_above, scratch.lpt128);
+  if (g.fits64) return schedule_with(c, heads, g, stop_above, scratch.lpt64);
+  return schedule_with(c, heads, g, stop_above, scratch.lpt128);
 }
 
 // 4. L2 sections (prefill plans). Longest first, every worker runs the same query tile index at
@@ -656,16 +657,16 @@ void for_each_section_item(const Sections& sec, Visit&& visit) {
 template <class Key>
 double schedule_sections_with(const Sections& sec, const LptGeometry& g, LptBuffers<Key>& buffers,
                               std::vector<int32_t>& owner) {
-  const int32_t block = g.block;
-  LptWorkers<Key> lpt(buffers, g.blocks, g.shift, block);
+  LptWorkers<Key> lpt(buffers, g.blocks, g.shift, g.block);
   int32_t* out = owner.data();
-  for (int32_t g : sec.group_order) {
+  for (int32_t group : sec.group_order) {
+    const int32_t group_end = sec.group_first[group + 1];
     for (int32_t c = 0; c < sec.chunks; ++c) {
-      for (int32_t run = sec.group_first[g]; run < sec.group_first[g + 1];) {
+      for (int32_t run = sec.group_first[group]; run < group_end;) {
         int32_t end = run + 1;
-        while (end < sec.group_first[g + 1] && sec.pieces[end].cost == sec.pieces[run].cost) ++end;
+        while (end < group_end && sec.pieces[end].cost == sec.pieces[run].cost) ++end;
         const int64_t count = int64_t{end - run} * sec.chunk_heads;
-        lpt.assign(static_cast<int64_t>(sec.pieces[run].cost), count / block, out);
+        lpt.assign(static_cast<int64_t>(sec.pieces[run].cost), count / g.block, out);
         out += count;
         run = end;
       }
