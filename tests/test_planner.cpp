@@ -3,8 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
@@ -587,7 +588,22 @@ ReferencePlan reference_plan(const PlanShape& shape, const PlanConfig& config) {
 }
 
 void expect_same_as_reference(const PlanShape& shape, const Plan& plan) {
-  const ReferencePlan ref = reference_plan(shape, plan.config);
+  // Step 5 (split_tail) works on a finished plan; it is applied to the reference's too, so that
+  // these tests compare the search (steps 1-4). The tail tests below check step 5 itself.
+  const ReferencePlan raw = reference_plan(shape, plan.config);
+  Plan tailed = plan;  // the plan's shape fields, the reference's lists
+  tailed.work = raw.work;
+  tailed.worker_indptr = raw.worker_indptr;
+  tailed.merges = raw.merges;
+  tailed.num_partial_rows = raw.partial_rows;
+  tailed.max_worker_cost = raw.max_worker_cost;
+  split_tail(shape, tailed);
+  ReferencePlan ref = raw;
+  ref.work = tailed.work;
+  ref.worker_indptr = tailed.worker_indptr;
+  ref.merges = tailed.merges;
+  ref.partial_rows = tailed.num_partial_rows;
+  ref.max_worker_cost = tailed.max_worker_cost;
   ASSERT_EQ(plan.work.size(), ref.work.size());
   for (size_t i = 0; i < ref.work.size(); ++i) {
     ASSERT_EQ(0, std::memcmp(&plan.work[i], &ref.work[i], sizeof(WorkItem)))
@@ -757,6 +773,225 @@ TEST(Planner, SectionedPlansMatchTheReferencePlan) {
     expect_same_as_reference(shape, plan);
     if (HasFatalFailure()) return;
   }
+}
+
+// TESSERA_PLAN_TAIL for the guard's lifetime (the planner reads it on every plan), the previous
+// value restored after.
+class TailSetting {
+ public:
+  explicit TailSetting(const char* value) {
+    const char* old = std::getenv("TESSERA_PLAN_TAIL");
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv("TESSERA_PLAN_TAIL", value, 1);
+  }
+  ~TailSetting() {
+    if (had_) {
+      setenv("TESSERA_PLAN_TAIL", old_.c_str(), 1);
+    } else {
+      unsetenv("TESSERA_PLAN_TAIL");
+    }
+  }
+  TailSetting(const TailSetting&) = delete;
+  TailSetting& operator=(const TailSetting&) = delete;
+
+ private:
+  bool had_ = false;
+  std::string old_;
+};
+
+// Step 5 (split_tail) on the d128 target shapes of an H200 (one persistent CTA per SM).
+PlanShape uniform_prefill(int batch, int tokens, int heads) {
+  PlanShape shape;
+  shape.op = AttentionOp::kRaggedPrefill;
+  shape.q_lens.assign(static_cast<size_t>(batch), tokens);
+  shape.kv_lens.assign(static_cast<size_t>(batch), tokens);
+  shape.num_qo_heads = heads;
+  shape.num_kv_heads = heads;
+  shape.head_dim = 128;
+  return shape;
+}
+
+PlanConfig h200_prefill_config() {
+  PlanConfig config;
+  config.q_tile_rows = 128;
+  config.num_workers = 132;
+  config.min_kv_chunk = 704;  // 4 x 176-key tiles
+  return config;
+}
+
+// check_plan for non-causal uniform batches too long for its key-by-key walk: every (request,
+// kv head, q tile) is covered by key ranges that tile [0, kv_len) without overlap, merges name
+// their pieces, and the workspace is the plan's.
+void check_uniform_plan(const PlanShape& shape, const Plan& plan) {
+  const int group = shape.num_qo_heads / shape.num_kv_heads;
+  ASSERT_EQ(plan.worker_indptr.back(), static_cast<int32_t>(plan.work.size()));
+  std::map<std::tuple<int, int, int, int>, std::vector<std::pair<int, int>>> ranges;
+  for (const WorkItem& item : plan.work) {
+    ranges[{item.request, item.kv_head, item.q_start, item.q_len}].push_back(
+        {item.kv_start, item.kv_end});
+  }
+  int64_t tiles = 0;
+  for (int b = 0; b < static_cast<int>(shape.q_lens.size()); ++b) {
+    tiles += (shape.q_lens[b] + plan.config.q_tile_rows - 1) / plan.config.q_tile_rows;
+  }
+  ASSERT_EQ(ranges.size(), static_cast<size_t>(tiles * shape.num_kv_heads));
+  for (auto& [key, pieces] : ranges) {
+    std::sort(pieces.begin(), pieces.end());
+    int covered = 0;
+    for (auto [lo, hi] : pieces) {
+      ASSERT_EQ(lo, covered) << "a gap or an overlap in the key ranges";
+      covered = hi;
+    }
+    ASSERT_EQ(covered, shape.kv_lens[std::get<0>(key)]);
+  }
+  int64_t rows = 0;
+  for (size_t m = 0; m < plan.merges.size(); ++m) {
+    const MergeItem& merge = plan.merges[m];
+    std::vector<int32_t> rows_of_pieces;
+    for (const WorkItem& w : plan.work) {
+      if (w.merge_index != static_cast<int32_t>(m)) continue;
+      ASSERT_EQ(std::make_tuple(w.request, w.kv_head, w.q_start, w.q_len),
+                std::make_tuple(merge.request, merge.kv_head, merge.q_start, merge.q_len));
+      rows_of_pieces.push_back(w.partial_row);
+    }
+    ASSERT_EQ(static_cast<int>(rows_of_pieces.size()), merge.num_splits);
+    std::sort(rows_of_pieces.begin(), rows_of_pieces.end());
+    for (int s = 0; s < merge.num_splits; ++s) {
+      ASSERT_EQ(rows_of_pieces[s], merge.first_partial_row + s * merge.q_len * group);
+    }
+    rows += int64_t{merge.q_len} * group * merge.num_splits;
+  }
+  ASSERT_EQ(rows, plan.num_partial_rows);
+  ASSERT_EQ(plan.workspace_bytes, WorkspaceLayout::of(plan).total);
+}
+
+// One 16384-token request, 16 heads: 2048 equal items, 15 rounds of 132 and 68 more. The 68
+// last items are cut into key pieces (each a merge of 2..8 pieces at the end of some worker's
+// list), and the busiest worker drops from 16 items to about 15.6.
+TEST(Planner, TailOfAUniformPrefillBatchIsCutIntoPieces) {
+  const TailSetting on("1");
+  const PlanShape shape = uniform_prefill(1, 16384, 16);
+  const Plan plan = make_plan(shape, h200_prefill_config());
+  check_uniform_plan(shape, plan);
+  if (HasFatalFailure()) return;
+  const double item = work_item_cost(WorkItem{0, 0, 0, 128, 0, 16384, -1}, mask_of(shape.options),
+                                     16384, 16384, 1);
+  EXPECT_EQ(plan.merges.size(), 68u);
+  EXPECT_GT(plan.max_worker_cost, 15.5 * item);
+  EXPECT_LT(plan.max_worker_cost, 15.75 * item);
+  for (const MergeItem& merge : plan.merges) {
+    EXPECT_GE(merge.num_splits, 2);
+    EXPECT_LE(merge.num_splits, 8);
+  }
+  // Pieces come after every whole item of their worker; every worker's load is below 16 items.
+  for (size_t w = 0; w + 1 < plan.worker_indptr.size(); ++w) {
+    bool piece_seen = false;
+    double load = 0;
+    for (int32_t i = plan.worker_indptr[w]; i < plan.worker_indptr[w + 1]; ++i) {
+      const WorkItem& it = plan.work[i];
+      if (it.merge_index >= 0) piece_seen = true;
+      EXPECT_TRUE(it.merge_index >= 0 || !piece_seen) << "a whole item after a piece, worker " << w;
+      EXPECT_GE(it.kv_end - it.kv_start, it.merge_index >= 0 ? 704 : 16384);
+      load += work_item_cost(it, mask_of(shape.options), 16384, 16384, 1);
+    }
+    EXPECT_LE(load, plan.max_worker_cost);
+  }
+}
+
+// Where cutting gains under 2% the plan keeps its whole items: 4 x 4096 tokens (2048 items of a
+// quarter of the keys, so each piece's own overhead weighs four times more), causal batches
+// (LPT over unequal items already ends within a small item of the mean), deterministic plans
+// and decode.
+TEST(Planner, TailIsLeftWholeWhereCuttingGainsLittle) {
+  const TailSetting on("1");
+  const PlanConfig config = h200_prefill_config();
+  {
+    const PlanShape shape = uniform_prefill(4, 4096, 16);
+    const Plan plan = make_plan(shape, config);
+    const double item = work_item_cost(WorkItem{0, 0, 0, 128, 0, 4096, -1},
+                                       mask_of(shape.options), 4096, 4096, 1);
+    EXPECT_TRUE(plan.merges.empty());
+    EXPECT_EQ(plan.max_worker_cost, 16 * item);
+  }
+  {
+    PlanShape shape = uniform_prefill(1, 16384, 16);
+    shape.options.causal = true;
+    EXPECT_TRUE(make_plan(shape, config).merges.empty());
+  }
+  {
+    PlanConfig deterministic = config;
+    deterministic.deterministic = true;
+    deterministic.min_kv_chunk = 16384;  // fixed cuts that leave every item whole
+    const PlanShape shape = uniform_prefill(1, 16384, 16);
+    EXPECT_TRUE(make_plan(shape, deterministic).merges.empty());
+  }
+}
+
+// Step 5 on random shapes (masks, GQA, windows, empty requests, few and many workers): where it
+// changes the plan (TESSERA_PLAN_TAIL=1), the plan still covers every visible pair once, and its
+// busiest worker is at least 2% shorter than that of the same plan without step 5 (=0).
+TEST(Planner, TailCutsKeepCoverageAndShortenTheBusiestWorker) {
+  std::mt19937_64 rng(6061);
+  int changed = 0;
+  for (int trial = 0; trial < 1500; ++trial) {
+    PlanShape shape = random_shape(rng, AttentionOp::kRaggedPrefill);
+    for (int32_t& len : shape.kv_lens) len *= 4;  // long enough to cut
+    if (trial % 2 == 0) {
+      shape.op = AttentionOp::kPagedPrefill;
+      shape.kv_lens.assign(shape.kv_lens.size(), shape.kv_lens[0]);  // uniform batches
+      shape.q_lens.assign(shape.q_lens.size(), shape.q_lens[0]);
+    }
+    for (size_t b = 0; b < shape.q_lens.size(); ++b) {
+      shape.q_lens[b] = std::min(shape.q_lens[b], shape.kv_lens[b]);
+    }
+    PlanConfig config = random_config(rng, shape.num_qo_heads / shape.num_kv_heads);
+    config.min_kv_chunk = std::max(config.min_kv_chunk, 64);
+    config.deterministic = false;
+    Plan plan, whole;
+    {
+      const TailSetting on("1");
+      plan = make_plan(shape, config);
+    }
+    {
+      const TailSetting off("0");
+      whole = make_plan(shape, config);
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    if (plan.work.size() == whole.work.size() && plan.merges.size() == whole.merges.size()) {
+      EXPECT_EQ(plan.max_worker_cost, whole.max_worker_cost);
+      continue;
+    }
+    ++changed;
+    check_plan(shape, plan);
+    if (HasFatalFailure()) return;
+    EXPECT_GT(plan.merges.size(), whole.merges.size());
+    EXPECT_LE(plan.max_worker_cost, whole.max_worker_cost * 0.98);
+    for (size_t m = whole.merges.size(); m < plan.merges.size(); ++m) {
+      EXPECT_GE(plan.merges[m].num_splits, 2);
+      EXPECT_LE(plan.merges[m].num_splits, 8);
+    }
+  }
+  EXPECT_GE(changed, 20) << "too few random plans had a tail to cut";
+}
+
+// A fixed capacity sized for the whole items (a CUDA graph's) has no room for the pieces: the
+// plan keeps its items and stays within the capacity.
+TEST(Planner, TailIsLeftWholeWhenTheCapacityHasNoRoom) {
+  const TailSetting on("1");
+  PlanShape shape = uniform_prefill(1, 16384, 16);
+  shape.capacity.max_work_items = 2048;
+  shape.capacity.max_merges = 64;
+  shape.capacity.max_partial_rows = int64_t{1} << 20;
+  const Plan plan = make_plan(shape, h200_prefill_config());
+  check_uniform_plan(shape, plan);
+  EXPECT_EQ(plan.work.size(), 2048u);
+  EXPECT_TRUE(plan.merges.empty());
+  // With room (the bound plan_capacity would give), the tail is cut as without a capacity.
+  shape.capacity = capacity_bound(1, 16384, 16384, 16, 16, h200_prefill_config());
+  const Plan roomy = make_plan(shape, h200_prefill_config());
+  check_uniform_plan(shape, roomy);
+  EXPECT_EQ(roomy.merges.size(), 68u);
 }
 
 TEST(Planner, GroupLargerThanTileIsAClearError) {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <limits>
 #include <numeric>
+#include <queue>
 #include <sstream>
 #include <string>
 
@@ -478,6 +479,7 @@ struct PlannerScratch {
   Sections sections;                    // step 4
   std::vector<int32_t> section_owner;
   std::vector<int64_t> first_partial_row;
+  std::vector<double> load, last_cost;  // step 5
 
   // A very large plan's buffers are not kept for the next call.
   void trim() {
@@ -675,7 +677,267 @@ double schedule_sections_with(const Sections& sec, const LptGeometry& g, LptBuff
   return static_cast<double>(lpt.max_load());
 }
 
+// 5. The tail (prefill plans). Items of equal cost fill the workers in whole rounds: 2048
+//    items on 132 workers are 15 rounds and 68 items, so 68 workers run a 16th item while 64
+//    wait (the makespan is 16 items for a mean of 15.5, 3% lost; every batch whose tiles are
+//    alike, i.e. every uniform prefill batch, loses up to one item's time this way). No split
+//    policy of step 2 cuts such items (each costs far less than the fair share), so the last
+//    items of the busiest workers are cut here instead: each into m key pieces (2 <= m <= 8,
+//    of at least min_kv_chunk keys but the last, as in step 2) that go longest first onto the
+//    least-loaded workers, for the m that gives the shortest busiest worker. Each piece is
+//    costed with the extra prologue and epilogue of two key tiles (tail_piece_overhead, beyond
+//    the model's kCostPerItem: what a work item costs the sm90 kernels), and the cut is kept
+//    only when the busiest worker gains kTailMinGain or more (2%: the merge launch and the
+//    partial stores are not in the model; at 4 x 4096 tokens the gain is about 1%, at 16384
+//    about 2.5%). Deterministic plans keep their fixed cuts; a fixed capacity that cannot hold
+//    the pieces keeps the plan as it is. TESSERA_PLAN_TAIL=1 / 0 turns this step on / off
+//    (kTailByDefault without it).
+constexpr double kTailMinGain = 0.02;
+constexpr int32_t kTailMaxPieces = 8;
+
+double tail_piece_overhead(const PlanConfig& config) {
+  return 2.0 * config.q_tile_rows * (2 * kSplitAlignment);  // two 128-key tiles of the q tile
+}
+
+// Whether step 5 runs without TESSERA_PLAN_TAIL: off until its A/B on the device (docs/PERF.md,
+// 2026-12-06 fourth session: no device machine could be started to time it).
+constexpr bool kTailByDefault = false;
+
+// TESSERA_PLAN_TAIL=1 / 0 turns step 5 on / off; read on every plan (one getenv), so that tests
+// can plan both ways in one process.
+bool tail_enabled() {
+  const char* value = std::getenv("TESSERA_PLAN_TAIL");
+  if (value == nullptr || *value == '\0') return kTailByDefault;
+  return std::string(value) != "0";
+}
+
+// An item's cut into at most m pieces: `chunk` keys each (a multiple of kSplitAlignment, at
+// least min_kv_chunk), the last one shorter (as step 2's cuts).
+struct TailCut {
+  int32_t worker = 0;  // whose last item it is
+  double cost = 0;     // the whole item's
+  int32_t range = 0;   // its keys
+};
+
+int32_t tail_chunk(int32_t range, int32_t m, int32_t min_kv_chunk) {
+  const int32_t count = std::min(m, range / min_kv_chunk);
+  return std::max(ceil_div(ceil_div(range, count), kSplitAlignment) * kSplitAlignment,
+                  min_kv_chunk);
+}
+
+// The busiest load after giving `pieces` (longest first, each with `overhead`) to the
+// least-loaded of the workers of loads `rest` (ties: lowest index); owner: where each went.
+double place_tail_pieces(const std::vector<double>& rest, const std::vector<double>& pieces,
+                         double overhead, std::vector<int32_t>* owner) {
+  using Load = std::pair<double, int32_t>;
+  std::vector<Load> heap(rest.size());
+  for (size_t w = 0; w < rest.size(); ++w) heap[w] = {rest[w], static_cast<int32_t>(w)};
+  const auto later = std::greater<Load>();
+  std::make_heap(heap.begin(), heap.end(), later);
+  double most = *std::max_element(rest.begin(), rest.end());
+  if (owner != nullptr) owner->clear();
+  for (const double cost : pieces) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    Load& least = heap.back();
+    if (owner != nullptr) owner->push_back(least.second);
+    least.first += cost + overhead;
+    most = std::max(most, least.first);
+    std::push_heap(heap.begin(), heap.end(), later);
+  }
+  return most;
+}
+
+// split_tail on a plan whose per-worker loads and last-item costs are known.
+void split_tail_with(const PlanShape& shape, Plan& plan, const std::vector<double>& load,
+                     const std::vector<double>& last_cost) {
+  const PlanConfig& config = plan.config;
+  const int32_t workers = config.num_workers;
+  const double busiest = *std::max_element(load.begin(), load.end());
+  const double idlest = *std::min_element(load.begin(), load.end());
+  // Whatever the cut, the busiest worker carries at least the mean load (pieces only add).
+  double sum = 0;
+  for (const double l : load) sum += l;
+  const double goal = busiest * (1.0 - kTailMinGain);
+  if (!(sum / workers < goal)) return;
+  // The busiest workers' last items: whole, long enough for two pieces, and ending more than
+  // half of themselves after the idlest worker is done.
+  std::vector<TailCut> cuts;
+  std::vector<double> rest = load;  // loads without the cut items
+  for (int32_t w = 0; w < workers; ++w) {
+    if (plan.worker_indptr[w + 1] == plan.worker_indptr[w]) continue;
+    const WorkItem& last = plan.work[plan.worker_indptr[w + 1] - 1];
+    const int32_t range = last.kv_end - last.kv_start;
+    // (Two pieces at the coarsest cut: the 64-key rounding can make one chunk the whole range.)
+    if (last.merge_index >= 0 || range < 2 * config.min_kv_chunk ||
+        ceil_div(range, tail_chunk(range, 2, config.min_kv_chunk)) < 2 ||
+        !(load[w] - last_cost[w] / 2 > idlest)) {
+      continue;
+    }
+    cuts.push_back({w, last_cost[w], range});
+    rest[w] -= last_cost[w];
+  }
+  if (cuts.empty()) return;
+  const double overhead = tail_piece_overhead(config);
+  // Choosing m: each item's pieces costed as equal shares of its pair and key terms (exact for
+  // unmasked items up to the last piece's rounding). When the cut items are alike and the
+  // rest loads equal (a uniform batch), the busiest load is the rest plus ceil(n / workers)
+  // pieces; otherwise the pieces are placed.
+  bool alike = true;
+  for (const TailCut& cut : cuts) {
+    alike = alike && cut.cost == cuts[0].cost && cut.range == cuts[0].range;
+  }
+  const double rest_high = *std::max_element(rest.begin(), rest.end());
+  alike = alike && rest_high == *std::min_element(rest.begin(), rest.end());
+  std::vector<double> shares;
+  int32_t best_m = 0;
+  double best_makespan = goal;
+  for (int32_t m = 2; m <= kTailMaxPieces; ++m) {
+    double makespan = 0;
+    if (alike) {
+      const int32_t count = ceil_div(cuts[0].range, tail_chunk(cuts[0].range, m,
+                                                                config.min_kv_chunk));
+      const double share = (cuts[0].cost - kCostPerItem) / count + kCostPerItem + overhead;
+      const int64_t n = int64_t{count} * static_cast<int64_t>(cuts.size());
+      makespan = rest_high + static_cast<double>((n + workers - 1) / workers) * share;
+    } else {
+      shares.clear();
+      for (const TailCut& cut : cuts) {
+        const int32_t count =
+            ceil_div(cut.range, tail_chunk(cut.range, m, config.min_kv_chunk));
+        const double share = (cut.cost - kCostPerItem) / count + kCostPerItem;
+        shares.insert(shares.end(), static_cast<size_t>(count), share);
+      }
+      std::sort(shares.begin(), shares.end(), std::greater<double>());
+      makespan = place_tail_pieces(rest, shares, overhead, nullptr);
+    }
+    if (makespan < best_makespan) {
+      best_makespan = makespan;
+      best_m = m;
+    }
+  }
+  if (best_m == 0) return;
+
+  // The pieces of best_m with their exact costs, placed; kept if they still gain enough.
+  const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
+  const MaskSpec mask = mask_of(shape.options);
+  // Without a mask every row sees every key of its range: the model's cost in closed form.
+  const bool unmasked = !mask.causal && mask.window_left < 0 && mask.window_right < 0;
+  const auto cost_of = [&](const WorkItem& item) {
+    if (unmasked) {
+      const int64_t keys = item.kv_end - item.kv_start;
+      return static_cast<double>(int64_t{item.q_len} * keys) * group +
+             static_cast<double>(keys) * kCostPerKeyRead + kCostPerItem;
+    }
+    return work_item_cost(item, mask, shape.q_lens[item.request], shape.kv_lens[item.request],
+                          group);
+  };
+  struct TailPiece {
+    WorkItem item;
+    int32_t cut = 0;
+    double cost = 0;
+  };
+  std::vector<TailPiece> pieces;
+  std::vector<int32_t> counts(cuts.size());
+  const int32_t first_merge = static_cast<int32_t>(plan.merges.size());
+  int64_t rows_total = plan.num_partial_rows;
+  for (size_t c = 0; c < cuts.size(); ++c) {
+    const WorkItem& whole = plan.work[plan.worker_indptr[cuts[c].worker + 1] - 1];
+    const int32_t chunk = tail_chunk(cuts[c].range, best_m, config.min_kv_chunk);
+    counts[c] = ceil_div(cuts[c].range, chunk);
+    const int32_t rows = whole.q_len * group;
+    for (int32_t p = 0; p < counts[c]; ++p) {
+      TailPiece piece;
+      piece.item = whole;
+      piece.item.kv_start = static_cast<int32_t>(whole.kv_start + int64_t{p} * chunk);
+      piece.item.kv_end = static_cast<int32_t>(
+          std::min<int64_t>(whole.kv_end, int64_t{piece.item.kv_start} + chunk));
+      // (Beyond INT32_MAX only when the plan is given up below.)
+      piece.item.partial_row = static_cast<int32_t>(
+          std::min<int64_t>(rows_total + int64_t{p} * rows, INT32_MAX));
+      piece.item.merge_index = first_merge + static_cast<int32_t>(c);
+      piece.cut = static_cast<int32_t>(c);
+      piece.cost = cost_of(piece.item);
+      pieces.push_back(piece);
+    }
+    rows_total += int64_t{rows} * counts[c];
+  }
+  const int64_t work_total = static_cast<int64_t>(plan.work.size()) -
+                             static_cast<int64_t>(cuts.size()) +
+                             static_cast<int64_t>(pieces.size());
+  const int64_t merges_total = first_merge + static_cast<int64_t>(cuts.size());
+  if (rows_total > INT32_MAX) return;
+  if (plan.capacity.fixed() &&
+      (work_total > plan.capacity.max_work_items || merges_total > plan.capacity.max_merges ||
+       rows_total > plan.capacity.max_partial_rows)) {
+    return;
+  }
+  // Longest first; ties in (cut, piece) order.
+  std::stable_sort(pieces.begin(), pieces.end(),
+                   [](const TailPiece& a, const TailPiece& b) { return a.cost > b.cost; });
+  std::vector<double> costs(pieces.size());
+  for (size_t i = 0; i < pieces.size(); ++i) costs[i] = pieces[i].cost;
+  std::vector<int32_t> owner;
+  if (!(place_tail_pieces(rest, costs, overhead, &owner) < goal)) return;
+
+  // Merges in cut order, their partial rows as the pieces were numbered.
+  int64_t row = plan.num_partial_rows;
+  for (size_t c = 0; c < cuts.size(); ++c) {
+    const WorkItem& whole = plan.work[plan.worker_indptr[cuts[c].worker + 1] - 1];
+    plan.merges.push_back({whole.request, whole.kv_head, whole.q_start, whole.q_len,
+                           static_cast<int32_t>(row), counts[c]});
+    row += int64_t{whole.q_len} * group * counts[c];
+  }
+  plan.num_partial_rows = rows_total;
+  // New lists: each worker's items less its cut last one, then its pieces in placement order.
+  std::vector<int32_t> added(static_cast<size_t>(workers) + 1, 0);  // pieces per worker
+  for (const int32_t w : owner) ++added[w + 1];
+  std::vector<bool> is_cut(static_cast<size_t>(workers), false);
+  for (const TailCut& cut : cuts) is_cut[cut.worker] = true;
+  std::vector<int32_t> indptr(static_cast<size_t>(workers) + 1, 0);
+  for (int32_t w = 0; w < workers; ++w) {
+    const int32_t kept = plan.worker_indptr[w + 1] - plan.worker_indptr[w] - (is_cut[w] ? 1 : 0);
+    indptr[w + 1] = indptr[w] + kept + added[w + 1];
+  }
+  std::vector<WorkItem> work(static_cast<size_t>(work_total));
+  std::vector<int32_t> next(static_cast<size_t>(workers));
+  std::vector<double> final_load = rest;
+  for (int32_t w = 0; w < workers; ++w) {
+    const int32_t kept = plan.worker_indptr[w + 1] - plan.worker_indptr[w] - (is_cut[w] ? 1 : 0);
+    std::copy_n(plan.work.begin() + plan.worker_indptr[w], kept, work.begin() + indptr[w]);
+    next[w] = indptr[w] + kept;
+  }
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    work[next[owner[i]]++] = pieces[i].item;
+    final_load[owner[i]] += pieces[i].cost;
+  }
+  plan.work = std::move(work);
+  plan.worker_indptr = std::move(indptr);
+  plan.max_worker_cost = *std::max_element(final_load.begin(), final_load.end());
+  plan.workspace_bytes = WorkspaceLayout::of(plan).total;
+}
+
 }  // namespace
+
+void split_tail(const PlanShape& shape, Plan& plan) {
+  const PlanConfig& config = plan.config;
+  if (!config.split_kv || config.deterministic || shape.op == AttentionOp::kDecode ||
+      plan.work.empty() || !tail_enabled()) {
+    return;
+  }
+  const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
+  const MaskSpec mask = mask_of(shape.options);
+  std::vector<double> load(static_cast<size_t>(config.num_workers), 0.0);
+  std::vector<double> last_cost(static_cast<size_t>(config.num_workers), 0.0);
+  for (int32_t w = 0; w < config.num_workers; ++w) {
+    for (int32_t i = plan.worker_indptr[w]; i < plan.worker_indptr[w + 1]; ++i) {
+      const WorkItem& item = plan.work[i];
+      last_cost[w] = work_item_cost(item, mask, shape.q_lens[item.request],
+                                    shape.kv_lens[item.request], group);
+      load[w] += last_cost[w];
+    }
+  }
+  split_tail_with(shape, plan, load, last_cost);
+}
 
 PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_kv_len,
                             int32_t num_qo_heads, int32_t num_kv_heads,
@@ -929,6 +1191,17 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   int32_t* const next_slot = cursor.data();
   const int32_t* worker_of_item = owner.data();
   const std::vector<Piece>& pieces = best->pieces;
+  // Each worker's load and last item's cost, for step 5.
+  std::vector<double>& load = scratch.load;
+  std::vector<double>& last_cost = scratch.last_cost;
+  load.assign(static_cast<size_t>(config.num_workers), 0.0);
+  last_cost.assign(static_cast<size_t>(config.num_workers), 0.0);
+  const auto give = [&](const WorkItem& item, double cost) {
+    const int32_t w = *worker_of_item++;
+    load[w] += cost;
+    last_cost[w] = cost;
+    work[next_slot[w]++] = item;
+  };
   // Work item of piece `piece` of tile t for kv head h (a split tile's piece writes its partial
   // rows and names its merge).
   const auto piece_item = [&](int32_t t, const Piece& piece, int32_t h) {
@@ -945,7 +1218,7 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   if (sectioned) {
     // Items in the sectioned schedule's order, each to the next free slot of its worker.
     for_each_section_item(sections, [&](const Piece& piece, int32_t h) {
-      work[next_slot[*worker_of_item++]++] = piece_item(piece.tile, piece, h);
+      give(piece_item(piece.tile, piece, h), piece.cost);
     });
   } else {
     // Items in the schedule's order (see item order above), one run of a tile's equal-cost
@@ -961,12 +1234,12 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
         WorkItem item = piece_item(t, pieces[run], 0);
         for (int32_t h = 0; h < heads; ++h) {
           item.kv_head = h;
-          work[next_slot[*worker_of_item++]++] = item;
+          give(item, pieces[run].cost);
         }
       } else {
         for (int32_t h = 0; h < heads; ++h) {
           for (size_t p = run; p < end; ++p) {
-            work[next_slot[*worker_of_item++]++] = piece_item(t, pieces[p], h);
+            give(piece_item(t, pieces[p], h), pieces[p].cost);
           }
         }
       }
@@ -975,6 +1248,11 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   }
   plan.total_cost = total_cost;
   plan.max_worker_cost = makespan;  // the busiest worker's load
+  // Step 5: the tail.
+  if (config.split_kv && !config.deterministic && shape.op != AttentionOp::kDecode &&
+      !plan.work.empty() && tail_enabled()) {
+    split_tail_with(shape, plan, load, last_cost);
+  }
   scratch.trim();
   if (capacity.fixed()) {
     const auto exceeds = [&](const char* what, int64_t needed, int64_t limit) {

@@ -52,6 +52,13 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
 // group size (checked; throws tessera::Error otherwise).
 Plan make_plan(const PlanShape& shape, const PlanConfig& config);
 
+// Step 5 of make_plan (planner.cpp): cuts the last items of the busiest workers of a prefill
+// plan into key pieces spread over the least-loaded workers when that shortens the busiest
+// worker by 2% or more (uniform batches lose up to one item's time to whole rounds of items);
+// otherwise leaves the plan as it is. Off unless TESSERA_PLAN_TAIL=1 (until it is timed on the
+// device). Exposed for tests/test_planner.cpp's reference.
+void split_tail(const PlanShape& shape, Plan& plan);
+
 // Visible (row, key) pairs of rows [q_start, q_start + q_len) of a request (q_len_total rows,
 // kv_len keys) inside keys [kv_start, kv_end): the sum over the rows of their visible keys
 // there, in O(1) mask evaluations rather than one per row.
