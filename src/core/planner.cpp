@@ -691,7 +691,7 @@ double schedule_sections_with(const Sections& sec, const LptGeometry& g, LptBuff
 //    partial stores are not in the model; at 4 x 4096 tokens the gain is about 1%, at 16384
 //    about 2.5%). Deterministic plans keep their fixed cuts; a fixed capacity that cannot hold
 //    the pieces keeps the plan as it is. TESSERA_PLAN_TAIL=1 / 0 turns this step on / off
-//    (kTailByDefault without it).
+//    (kTailByDefault without it: off, the model's gain was not measured on an H100).
 constexpr double kTailMinGain = 0.02;
 constexpr int32_t kTailMaxPieces = 8;
 
@@ -699,8 +699,8 @@ double tail_piece_overhead(const PlanConfig& config) {
   return 2.0 * config.q_tile_rows * (2 * kSplitAlignment);  // two 128-key tiles of the q tile
 }
 
-// Whether step 5 runs without TESSERA_PLAN_TAIL: off until its A/B on the device (docs/PERF.md,
-// 2026-12-06 fourth session: no device machine could be started to time it).
+// Whether step 5 runs without TESSERA_PLAN_TAIL: off, since on an H100 it gained nothing beyond
+// the noise at d128 and d64 1 x 16384 (docs/PERF.md, 2026-12-06, fourth session).
 constexpr bool kTailByDefault = false;
 
 // TESSERA_PLAN_TAIL=1 / 0 turns step 5 on / off; read on every plan (one getenv), so that tests

@@ -55,8 +55,8 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& config);
 // Step 5 of make_plan (planner.cpp): cuts the last items of the busiest workers of a prefill
 // plan into key pieces spread over the least-loaded workers when that shortens the busiest
 // worker by 2% or more (uniform batches lose up to one item's time to whole rounds of items);
-// otherwise leaves the plan as it is. Off unless TESSERA_PLAN_TAIL=1 (until it is timed on the
-// device). Exposed for tests/test_planner.cpp's reference.
+// otherwise leaves the plan as it is. Off unless TESSERA_PLAN_TAIL=1 (no gain measured on an
+// H100, docs/PERF.md). Exposed for tests/test_planner.cpp's reference.
 void split_tail(const PlanShape& shape, Plan& plan);
 
 // Visible (row, key) pairs of rows [q_start, q_start + q_len) of a request (q_len_total rows,
