@@ -479,7 +479,6 @@ struct PlannerScratch {
   Sections sections;                    // step 4
   std::vector<int32_t> section_owner;
   std::vector<int64_t> first_partial_row;
-  std::vector<double> load, last_cost;  // step 5
 
   // A very large plan's buffers are not kept for the next call.
   void trim() {
@@ -685,8 +684,8 @@ double schedule_sections_with(const Sections& sec, const LptGeometry& g, LptBuff
 //    items of the busiest workers are cut here instead: each into m key pieces (2 <= m <= 8,
 //    of at least min_kv_chunk keys but the last, as in step 2) that go longest first onto the
 //    least-loaded workers, for the m that gives the shortest busiest worker. Each piece is
-//    costed with the extra prologue and epilogue of two key tiles (tail_piece_overhead, beyond
-//    the model's kCostPerItem: what a work item costs the sm90 kernels), and the cut is kept
+//    costed with the extra prologue and epilogue of two key tiles (kTailPieceOverheadKeys,
+//    beyond the model's kCostPerItem: what a work item costs the sm90 kernels), and the cut is kept
 //    only when the busiest worker gains kTailMinGain or more (2%: the merge launch and the
 //    partial stores are not in the model; at 4 x 4096 tokens the gain is about 1%, at 16384
 //    about 2.5%). Deterministic plans keep their fixed cuts; a fixed capacity that cannot hold
@@ -694,9 +693,12 @@ double schedule_sections_with(const Sections& sec, const LptGeometry& g, LptBuff
 //    (kTailByDefault without it: off, the model's gain was not measured on an H100).
 constexpr double kTailMinGain = 0.02;
 constexpr int32_t kTailMaxPieces = 8;
+// What a piece costs beyond the model's kCostPerItem: the prologue and epilogue of the sm90
+// kernels, about two 128-key tiles of the q tile.
+constexpr int32_t kTailPieceOverheadKeys = 2 * 128;
 
 double tail_piece_overhead(const PlanConfig& config) {
-  return 2.0 * config.q_tile_rows * (2 * kSplitAlignment);  // two 128-key tiles of the q tile
+  return static_cast<double>(config.q_tile_rows) * kTailPieceOverheadKeys;
 }
 
 // Whether step 5 runs without TESSERA_PLAN_TAIL: off, since on an H100 it gained nothing beyond
@@ -709,6 +711,12 @@ bool tail_enabled() {
   const char* value = std::getenv("TESSERA_PLAN_TAIL");
   if (value == nullptr || *value == '\0') return kTailByDefault;
   return std::string(value) != "0";
+}
+
+// Plans step 5 may cut: prefill, split-KV allowed and not deterministic, and the step on.
+bool tail_applies(const PlanShape& shape, const Plan& plan) {
+  return plan.config.split_kv && !plan.config.deterministic &&
+         shape.op != AttentionOp::kDecode && !plan.work.empty() && tail_enabled();
 }
 
 // An item's cut into at most m pieces: `chunk` keys each (a multiple of kSplitAlignment, at
@@ -747,11 +755,27 @@ double place_tail_pieces(const std::vector<double>& rest, const std::vector<doub
   return most;
 }
 
-// split_tail on a plan whose per-worker loads and last-item costs are known.
-void split_tail_with(const PlanShape& shape, Plan& plan, const std::vector<double>& load,
-                     const std::vector<double>& last_cost) {
+}  // namespace
+
+void split_tail(const PlanShape& shape, Plan& plan) {
+  if (!tail_applies(shape, plan)) return;
   const PlanConfig& config = plan.config;
   const int32_t workers = config.num_workers;
+  const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
+  const MaskSpec mask = mask_of(shape.options);
+  const auto cost_of = [&](const WorkItem& item) {
+    return work_item_cost(item, mask, shape.q_lens[item.request], shape.kv_lens[item.request],
+                          group);
+  };
+  // Each worker's load and its last item's cost.
+  std::vector<double> load(static_cast<size_t>(workers), 0.0);
+  std::vector<double> last_cost(static_cast<size_t>(workers), 0.0);
+  for (int32_t w = 0; w < workers; ++w) {
+    for (int32_t i = plan.worker_indptr[w]; i < plan.worker_indptr[w + 1]; ++i) {
+      last_cost[w] = cost_of(plan.work[i]);
+      load[w] += last_cost[w];
+    }
+  }
   const double busiest = *std::max_element(load.begin(), load.end());
   const double idlest = *std::min_element(load.begin(), load.end());
   // Whatever the cut, the busiest worker carries at least the mean load (pieces only add).
@@ -818,19 +842,6 @@ void split_tail_with(const PlanShape& shape, Plan& plan, const std::vector<doubl
   if (best_m == 0) return;
 
   // The pieces of best_m with their exact costs, placed; kept if they still gain enough.
-  const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
-  const MaskSpec mask = mask_of(shape.options);
-  // Without a mask every row sees every key of its range: the model's cost in closed form.
-  const bool unmasked = !mask.causal && mask.window_left < 0 && mask.window_right < 0;
-  const auto cost_of = [&](const WorkItem& item) {
-    if (unmasked) {
-      const int64_t keys = item.kv_end - item.kv_start;
-      return static_cast<double>(int64_t{item.q_len} * keys) * group +
-             static_cast<double>(keys) * kCostPerKeyRead + kCostPerItem;
-    }
-    return work_item_cost(item, mask, shape.q_lens[item.request], shape.kv_lens[item.request],
-                          group);
-  };
   struct TailPiece {
     WorkItem item;
     int32_t cut = 0;
@@ -838,12 +849,14 @@ void split_tail_with(const PlanShape& shape, Plan& plan, const std::vector<doubl
   };
   std::vector<TailPiece> pieces;
   std::vector<int32_t> counts(cuts.size());
+  std::vector<int64_t> first_row(cuts.size());
   const int32_t first_merge = static_cast<int32_t>(plan.merges.size());
   int64_t rows_total = plan.num_partial_rows;
   for (size_t c = 0; c < cuts.size(); ++c) {
     const WorkItem& whole = plan.work[plan.worker_indptr[cuts[c].worker + 1] - 1];
     const int32_t chunk = tail_chunk(cuts[c].range, best_m, config.min_kv_chunk);
     counts[c] = ceil_div(cuts[c].range, chunk);
+    first_row[c] = rows_total;
     const int32_t rows = whole.q_len * group;
     for (int32_t p = 0; p < counts[c]; ++p) {
       TailPiece piece;
@@ -880,12 +893,10 @@ void split_tail_with(const PlanShape& shape, Plan& plan, const std::vector<doubl
   if (!(place_tail_pieces(rest, costs, overhead, &owner) < goal)) return;
 
   // Merges in cut order, their partial rows as the pieces were numbered.
-  int64_t row = plan.num_partial_rows;
   for (size_t c = 0; c < cuts.size(); ++c) {
     const WorkItem& whole = plan.work[plan.worker_indptr[cuts[c].worker + 1] - 1];
     plan.merges.push_back({whole.request, whole.kv_head, whole.q_start, whole.q_len,
-                           static_cast<int32_t>(row), counts[c]});
-    row += int64_t{whole.q_len} * group * counts[c];
+                           static_cast<int32_t>(first_row[c]), counts[c]});
   }
   plan.num_partial_rows = rows_total;
   // New lists: each worker's items less its cut last one, then its pieces in placement order.
@@ -894,18 +905,15 @@ void split_tail_with(const PlanShape& shape, Plan& plan, const std::vector<doubl
   std::vector<bool> is_cut(static_cast<size_t>(workers), false);
   for (const TailCut& cut : cuts) is_cut[cut.worker] = true;
   std::vector<int32_t> indptr(static_cast<size_t>(workers) + 1, 0);
-  for (int32_t w = 0; w < workers; ++w) {
-    const int32_t kept = plan.worker_indptr[w + 1] - plan.worker_indptr[w] - (is_cut[w] ? 1 : 0);
-    indptr[w + 1] = indptr[w] + kept + added[w + 1];
-  }
   std::vector<WorkItem> work(static_cast<size_t>(work_total));
-  std::vector<int32_t> next(static_cast<size_t>(workers));
-  std::vector<double> final_load = rest;
+  std::vector<int32_t> next(static_cast<size_t>(workers));  // each worker's first piece slot
   for (int32_t w = 0; w < workers; ++w) {
     const int32_t kept = plan.worker_indptr[w + 1] - plan.worker_indptr[w] - (is_cut[w] ? 1 : 0);
     std::copy_n(plan.work.begin() + plan.worker_indptr[w], kept, work.begin() + indptr[w]);
     next[w] = indptr[w] + kept;
+    indptr[w + 1] = next[w] + added[w + 1];
   }
+  std::vector<double> final_load = rest;
   for (size_t i = 0; i < pieces.size(); ++i) {
     work[next[owner[i]]++] = pieces[i].item;
     final_load[owner[i]] += pieces[i].cost;
@@ -914,29 +922,6 @@ void split_tail_with(const PlanShape& shape, Plan& plan, const std::vector<doubl
   plan.worker_indptr = std::move(indptr);
   plan.max_worker_cost = *std::max_element(final_load.begin(), final_load.end());
   plan.workspace_bytes = WorkspaceLayout::of(plan).total;
-}
-
-}  // namespace
-
-void split_tail(const PlanShape& shape, Plan& plan) {
-  const PlanConfig& config = plan.config;
-  if (!config.split_kv || config.deterministic || shape.op == AttentionOp::kDecode ||
-      plan.work.empty() || !tail_enabled()) {
-    return;
-  }
-  const int32_t group = shape.num_qo_heads / shape.num_kv_heads;
-  const MaskSpec mask = mask_of(shape.options);
-  std::vector<double> load(static_cast<size_t>(config.num_workers), 0.0);
-  std::vector<double> last_cost(static_cast<size_t>(config.num_workers), 0.0);
-  for (int32_t w = 0; w < config.num_workers; ++w) {
-    for (int32_t i = plan.worker_indptr[w]; i < plan.worker_indptr[w + 1]; ++i) {
-      const WorkItem& item = plan.work[i];
-      last_cost[w] = work_item_cost(item, mask, shape.q_lens[item.request],
-                                    shape.kv_lens[item.request], group);
-      load[w] += last_cost[w];
-    }
-  }
-  split_tail_with(shape, plan, load, last_cost);
 }
 
 PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_kv_len,
@@ -1191,17 +1176,6 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   int32_t* const next_slot = cursor.data();
   const int32_t* worker_of_item = owner.data();
   const std::vector<Piece>& pieces = best->pieces;
-  // Each worker's load and last item's cost, for step 5.
-  std::vector<double>& load = scratch.load;
-  std::vector<double>& last_cost = scratch.last_cost;
-  load.assign(static_cast<size_t>(config.num_workers), 0.0);
-  last_cost.assign(static_cast<size_t>(config.num_workers), 0.0);
-  const auto give = [&](const WorkItem& item, double cost) {
-    const int32_t w = *worker_of_item++;
-    load[w] += cost;
-    last_cost[w] = cost;
-    work[next_slot[w]++] = item;
-  };
   // Work item of piece `piece` of tile t for kv head h (a split tile's piece writes its partial
   // rows and names its merge).
   const auto piece_item = [&](int32_t t, const Piece& piece, int32_t h) {
@@ -1218,7 +1192,7 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   if (sectioned) {
     // Items in the sectioned schedule's order, each to the next free slot of its worker.
     for_each_section_item(sections, [&](const Piece& piece, int32_t h) {
-      give(piece_item(piece.tile, piece, h), piece.cost);
+      work[next_slot[*worker_of_item++]++] = piece_item(piece.tile, piece, h);
     });
   } else {
     // Items in the schedule's order (see item order above), one run of a tile's equal-cost
@@ -1234,12 +1208,12 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
         WorkItem item = piece_item(t, pieces[run], 0);
         for (int32_t h = 0; h < heads; ++h) {
           item.kv_head = h;
-          give(item, pieces[run].cost);
+          work[next_slot[*worker_of_item++]++] = item;
         }
       } else {
         for (int32_t h = 0; h < heads; ++h) {
           for (size_t p = run; p < end; ++p) {
-            give(piece_item(t, pieces[p], h), pieces[p].cost);
+            work[next_slot[*worker_of_item++]++] = piece_item(t, pieces[p], h);
           }
         }
       }
@@ -1248,11 +1222,7 @@ Plan make_plan(const PlanShape& shape, const PlanConfig& requested_config) {
   }
   plan.total_cost = total_cost;
   plan.max_worker_cost = makespan;  // the busiest worker's load
-  // Step 5: the tail.
-  if (config.split_kv && !config.deterministic && shape.op != AttentionOp::kDecode &&
-      !plan.work.empty() && tail_enabled()) {
-    split_tail_with(shape, plan, load, last_cost);
-  }
+  split_tail(shape, plan);  // step 5 (off by default)
   scratch.trim();
   if (capacity.fixed()) {
     const auto exceeds = [&](const char* what, int64_t needed, int64_t limit) {
