@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "common/scoped_env.hpp"
 #include "core/half.hpp"
 #include "tessera/backend.hpp"
 #include "tessera/context_parallel.hpp"
@@ -630,29 +631,7 @@ TEST(ContextParallelSimulation, CausalDecodeWithSeveralQueriesIsRejected) {
 
 // ============================================================================ NCCL loading
 
-struct ScopedEnv {
-  ScopedEnv(const char* name, const char* value) : name(name) {
-    if (const char* old = std::getenv(name)) {
-      previous = old;
-      had = true;
-    }
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (had) {
-      setenv(name, previous.c_str(), 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  const char* name;
-  std::string previous;
-  bool had = false;
-};
+using test::ScopedEnv;
 
 TEST(ContextParallelNccl, MissingLibraryIsAClearUnsupportedError) {
   {

@@ -27,6 +27,7 @@
 #include "common/api_runner.hpp"
 #include "common/attention_testing.hpp"
 #include "common/gpu_test_support.hpp"
+#include "common/scoped_env.hpp"
 #include "core/backends.hpp"
 #include "core/planner.hpp"
 #include "core/workspace_layout.hpp"
@@ -512,10 +513,7 @@ TEST(CudaPrefill, PagesOf64KeysEveryVariant) {
 // causal or not.
 TEST(CudaPrefill, UniformBatchWhoseTailIsCut) {
   TESSERA_SKIP_WITHOUT_GPU();
-  setenv("TESSERA_PLAN_TAIL", "1", 1);  // step 5 is off by default (planner.cpp)
-  struct Restore {
-    ~Restore() { unsetenv("TESSERA_PLAN_TAIL"); }
-  } restore;
+  const test::ScopedEnv tail("TESSERA_PLAN_TAIL", "1");  // step 5 is off by default (planner.cpp)
   std::mt19937_64 rng(base_seed() + 12);
   const int32_t heads = 32;
   int index = 0;

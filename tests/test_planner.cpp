@@ -14,6 +14,7 @@
 #include <random>
 #include <tuple>
 
+#include "common/scoped_env.hpp"
 #include "core/planner.hpp"
 #include "core/workspace_layout.hpp"
 #include "tessera/attention.hpp"
@@ -775,30 +776,8 @@ TEST(Planner, SectionedPlansMatchTheReferencePlan) {
   }
 }
 
-// TESSERA_PLAN_TAIL for the guard's lifetime (the planner reads it on every plan), the previous
-// value restored after.
-class TailSetting {
- public:
-  explicit TailSetting(const char* value) {
-    const char* old = std::getenv("TESSERA_PLAN_TAIL");
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv("TESSERA_PLAN_TAIL", value, 1);
-  }
-  ~TailSetting() {
-    if (had_) {
-      setenv("TESSERA_PLAN_TAIL", old_.c_str(), 1);
-    } else {
-      unsetenv("TESSERA_PLAN_TAIL");
-    }
-  }
-  TailSetting(const TailSetting&) = delete;
-  TailSetting& operator=(const TailSetting&) = delete;
-
- private:
-  bool had_ = false;
-  std::string old_;
-};
+// TESSERA_PLAN_TAIL for a guard's lifetime (the planner reads it on every plan).
+using test::ScopedEnv;
 
 // Step 5 (split_tail) on the d128 target shapes of an H200 (one persistent CTA per SM).
 PlanShape uniform_prefill(int batch, int tokens, int heads) {
@@ -870,7 +849,7 @@ void check_uniform_plan(const PlanShape& shape, const Plan& plan) {
 // last items are cut into key pieces (each a merge of 2..8 pieces at the end of some worker's
 // list), and the busiest worker drops from 16 items to about 15.6.
 TEST(Planner, TailOfAUniformPrefillBatchIsCutIntoPieces) {
-  const TailSetting on("1");
+  const ScopedEnv on("TESSERA_PLAN_TAIL", "1");
   const PlanShape shape = uniform_prefill(1, 16384, 16);
   const Plan plan = make_plan(shape, h200_prefill_config());
   check_uniform_plan(shape, plan);
@@ -904,7 +883,7 @@ TEST(Planner, TailOfAUniformPrefillBatchIsCutIntoPieces) {
 // (LPT over unequal items already ends within a small item of the mean), deterministic plans
 // and decode.
 TEST(Planner, TailIsLeftWholeWhereCuttingGainsLittle) {
-  const TailSetting on("1");
+  const ScopedEnv on("TESSERA_PLAN_TAIL", "1");
   const PlanConfig config = h200_prefill_config();
   {
     const PlanShape shape = uniform_prefill(4, 4096, 16);
@@ -950,11 +929,11 @@ TEST(Planner, TailCutsKeepCoverageAndShortenTheBusiestWorker) {
     config.deterministic = false;
     Plan plan, whole;
     {
-      const TailSetting on("1");
+      const ScopedEnv on("TESSERA_PLAN_TAIL", "1");
       plan = make_plan(shape, config);
     }
     {
-      const TailSetting off("0");
+      const ScopedEnv off("TESSERA_PLAN_TAIL", "0");
       whole = make_plan(shape, config);
     }
     SCOPED_TRACE("trial " + std::to_string(trial));
@@ -978,7 +957,7 @@ TEST(Planner, TailCutsKeepCoverageAndShortenTheBusiestWorker) {
 // A fixed capacity sized for the whole items (a CUDA graph's) has no room for the pieces: the
 // plan keeps its items and stays within the capacity.
 TEST(Planner, TailIsLeftWholeWhenTheCapacityHasNoRoom) {
-  const TailSetting on("1");
+  const ScopedEnv on("TESSERA_PLAN_TAIL", "1");
   PlanShape shape = uniform_prefill(1, 16384, 16);
   shape.capacity.max_work_items = 2048;
   shape.capacity.max_merges = 64;

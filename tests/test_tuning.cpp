@@ -9,6 +9,7 @@
 #include <string>
 #include <unistd.h>
 
+#include "common/scoped_env.hpp"
 #include "core/tuning.hpp"
 
 namespace tessera::detail {
@@ -26,29 +27,7 @@ void write_text(const std::filesystem::path& path, const std::string& text) {
   out << text;
 }
 
-// Sets (or unsets, for nullptr) an environment variable for one scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) saved_ = old;
-    if (value) {
-      setenv(name, value, 1);
-    } else {
-      unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (saved_) {
-      setenv(name_, saved_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> saved_;
-};
+using test::ScopedEnv;
 
 TuningTable sample_table() {
   TuningTable table;
