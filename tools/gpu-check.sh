@@ -17,12 +17,14 @@
 # issue-7 figure) after the test binaries, even with TESSERA_SKIP_TESTS=1, under
 # TESSERA_SOAK_TIMEOUT seconds (default TESSERA_TIMEOUT); its output goes to tests.log.
 # TESSERA_EXTRA=1: host overheads, plan() times, DRAM read ceilings, decode under the read
-# flush, HF latency.
+# flush, HF latency. TESSERA_MICRO=1: the micro-benchmarks of bench/ (TMA box shapes, wgmma
+# forms) first, into micro.log.
 # TESSERA_BENCH_VARIANTS: A/B runs of the bench in the same call, ';'-separated, each
 # "VAR=VALUE[,VAR=VALUE...][@FILTER]" (e.g. "TESSERA_BENCH_PAGES=ordered@p16;TESSERA_SM90_K_AHEAD=0@paged"),
 # into bench-variants.log.
-# Files: tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png, python.log,
-# ncu.log, ncu-source-N.csv, extra.log, extra-decode-compare.json, bench-variants.log.
+# Files: micro.log, tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png,
+# python.log, ncu.log, ncu-source-N.csv, extra.log, extra-decode-compare.json,
+# bench-variants.log.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
 build=${2:-build}
@@ -39,6 +41,16 @@ log="$out/tests.log"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   "$build/tessera" info
 } >"$log" 2>&1
+
+# 0. Optional (TESSERA_MICRO=1): the sm90 micro-benchmarks that tools/stage-gpu.sh builds.
+if [ "${TESSERA_MICRO:-0}" = 1 ]; then
+  for micro in "$build"/bench/*; do
+    [ -x "$micro" ] || continue
+    echo "=== $(basename "$micro")"
+    timeout 120 "$micro" || { echo "FAILED: $(basename "$micro")"; status=1; }
+  done >"$out/micro.log" 2>&1
+  cat "$out/micro.log"
+fi
 
 # 1. Every test binary (CPU and GPU), one log.
 if [ "${TESSERA_SKIP_TESTS:-0}" != 1 ]; then

@@ -29,6 +29,15 @@ fi
 cp "$build"/tests/test_* "$root/.devbuild/tests/"
 # The soak (not a test_*: gpu-check.sh runs it only when TESSERA_SOAK_CYCLES is set).
 cp "$build/tests/soak_cuda_graph" "$root/.devbuild/tests/"
+# The sm90 micro-benchmarks of bench/ (TMA box shapes, wgmma forms): gpu-check.sh runs them
+# with TESSERA_MICRO=1. A few seconds each; nvcc directly, as their headers describe.
+mkdir -p "$root/.devbuild/bench"
+for micro in tma_boxes wgmma_rates; do
+  extra=()
+  [ "$micro" = tma_boxes ] && extra=("$root/src/cuda/sm90/tensor_map.cpp")
+  nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -I"$root/src" -I"$root/include" \
+    "$root/bench/$micro.cu" "${extra[@]}" -o "$root/.devbuild/bench/$micro"
+done
 strip --strip-unneeded "$root/.devbuild/tessera" "$root/.devbuild"/libtessera.so* \
   "$root/.devbuild/tests"/test_* "$root/.devbuild/tests/soak_cuda_graph" 2>/dev/null || true
 # The library xz-compressed (44 MiB -> ~5): a device call carries at most 64 MiB, and an A/B

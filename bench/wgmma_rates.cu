@@ -1,0 +1,219 @@
+// Micro-benchmark of the tensor-core rate of the GEMM shapes a d128 key tile of 128 keys can be
+// computed with, for the question docs/PERF.md leaves open for 16-key pages: can S = Q K^T run
+// as one wgmma of N = 16 per page (each page's K rows a TMA box of its own, 8 boxes per tile
+// instead of 16) without losing the tensor rate of the N = 128 form the kernels use today?
+//
+// Two warpgroups per CTA (the consumers' count), one CTA per SM, each warpgroup computing
+// 64 x 128 x 128 products (one S tile: 8 k-steps of 16 over the head dim) back to back:
+//   n128-ss    8 x m64n128k16, A (Q) and B (K) from shared memory        (the kernels' S today)
+//   n64-ss     8 x 2 x m64n64k16, A and B from shared memory             (K page by page at 64)
+//   n16-ss     8 x 8 x m64n16k16, A and B from shared memory        (per page at 16, Q read 8x)
+//   n16-rs     8 x 8 x m64n16k16, A from registers, B from shared memory (per page, Q in registers)
+//   n128-rs-v  8 x m64n128k16, A from registers, B MN-major              (the kernels' P V today)
+// and whole tiles (S, then O += P V with N = head_dim):
+//   tile-n128  n128-ss + n128-rs-v          tile-n16rs  n16-rs + n128-rs-v
+// Operands are a fixed bf16 pattern (the rate, not the values, is measured). Prints TFLOP/s of
+// the whole GPU and the ratio to the kernels' form.
+// Build (sm_90a) and run on an H100/H200:
+//   nvcc -std=c++20 -O3 -gencode arch=compute_90a,code=sm_90a -Isrc -Iinclude \
+//     bench/wgmma_rates.cu -o wgmma_rates
+//   ./wgmma_rates
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "cuda/ptx/shared_memory.cuh"
+#include "cuda/ptx/wgmma.cuh"
+#include "cuda/ptx/wgmma_ops.cuh"
+
+namespace {
+
+namespace ptx = tessera::detail::ptx;
+using tessera::DType;
+
+constexpr int kDim = 128, kKeys = 128, kRows = 64;
+constexpr uint32_t kQBytes = 2 * kRows * kDim * 2;  // both warpgroups' 64 rows
+constexpr uint32_t kKBytes = kKeys * kDim * 2;      // one K (or V) tile, 2 column blocks
+constexpr uint32_t kBlockBytes = kKeys * 128;       // one 64-column block of K
+
+enum class Mode : int { kN128Ss, kN64Ss, kN16Ss, kN16Rs, kN128RsV, kTileN128, kTileN16Rs };
+
+// wgmma.mma_async m64n16k16 (PTX ISA 9.7.15.5), bf16 inputs, f32 accumulators; B K-major.
+__device__ __forceinline__ void n16_ss(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void n16_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b,
+                                       int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+
+// Descriptor of k-step `step` (16 columns) of a [rows][128] tile stored as 64-column blocks of
+// `block_bytes`, 128-byte swizzle, starting `row_bytes` into each block.
+__device__ __forceinline__ uint64_t step_descriptor(uint32_t base, uint32_t block_bytes,
+                                                    int step, uint32_t row_bytes = 0) {
+  const uint32_t address = base + static_cast<uint32_t>(step / 4) * block_bytes +
+                           static_cast<uint32_t>(step % 4) * 32 + row_bytes;
+  return ptx::wgmma_descriptor_sw128(address, 16, 1024);
+}
+
+template <Mode kMode>
+__global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t raw = ptx::shared_address(smem);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  unsigned char* generic = smem + (base - raw);
+  // A fixed pattern of small bf16 values (0x3C00 + i % 64: 2^-7 .. about 2^-6.5).
+  for (uint32_t i = threadIdx.x; i < (kQBytes + 2 * kKBytes) / 2; i += blockDim.x) {
+    reinterpret_cast<uint16_t*>(generic)[i] = static_cast<uint16_t>(0x3C00u + i % 64u);
+  }
+  __syncthreads();
+  const int warpgroup = static_cast<int>(threadIdx.x) / 128;
+  const uint32_t q = base + static_cast<uint32_t>(warpgroup) * (kQBytes / 2);
+  const uint32_t k = base + kQBytes;
+  const uint32_t v = k + kKBytes;
+  const uint32_t q_block = kRows * 128;
+  float s[64];
+  float s16[8][8];  // the n16 forms' accumulators, one per page
+  float o[64];
+  uint32_t a[8][4];  // Q (or P) as A fragments, one per k-step
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] = o[i] = s16[i / 8][i % 8] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // From shared memory, and opaque: computed values would be rematerialised next to each
+      // wgmma (a register write there serialises the wgmma pipeline).
+      a[i][j] = reinterpret_cast<const uint32_t*>(generic)[(threadIdx.x * 32 + i * 4 + j) % 4096];
+      asm volatile("" : "+r"(a[i][j]));
+    }
+  }
+  for (int it = 0; it < iterations; ++it) {
+    ptx::wgmma_fence();
+    if constexpr (kMode == Mode::kN128Ss || kMode == Mode::kTileN128) {
+#pragma unroll
+      for (int step = 0; step < 8; ++step) {
+        ptx::Wgmma<128, DType::kBFloat16>::ss(s, step_descriptor(q, q_block, step),
+                                              step_descriptor(k, kBlockBytes, step), step > 0);
+      }
+    } else if constexpr (kMode == Mode::kN64Ss) {
+#pragma unroll
+      for (int step = 0; step < 8; ++step) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          ptx::Wgmma<64, DType::kBFloat16>::ss(
+              reinterpret_cast<float(&)[32]>(s[32 * half]), step_descriptor(q, q_block, step),
+              step_descriptor(k, kBlockBytes, step, 64u * 128u * half), step > 0);
+        }
+      }
+    } else if constexpr (kMode == Mode::kN16Ss) {
+#pragma unroll
+      for (int step = 0; step < 8; ++step) {
+#pragma unroll
+        for (int page = 0; page < 8; ++page) {
+          n16_ss(s16[page], step_descriptor(q, q_block, step),
+                 step_descriptor(k, kBlockBytes, step, 16u * 128u * page), step > 0);
+        }
+      }
+    } else if constexpr (kMode == Mode::kN16Rs || kMode == Mode::kTileN16Rs) {
+#pragma unroll
+      for (int page = 0; page < 8; ++page) {
+#pragma unroll
+        for (int step = 0; step < 8; ++step) {
+          n16_rs(s16[page], a[step],
+                 step_descriptor(k, kBlockBytes, step, 16u * 128u * page), step > 0);
+        }
+      }
+    }
+    if constexpr (kMode == Mode::kN128RsV || kMode == Mode::kTileN128 ||
+                  kMode == Mode::kTileN16Rs) {
+      // O += P V: B = V MN-major (column blocks kBlockBytes apart, 8-row groups 1024 apart).
+      const uint64_t b0 = ptx::wgmma_descriptor_sw128(v, kBlockBytes, 1024);
+#pragma unroll
+      for (int step = 0; step < 8; ++step) {
+        ptx::Wgmma<128, DType::kBFloat16>::rs_b_mn_major(
+            o, a[step], ptx::wgmma_descriptor_advance(b0, static_cast<uint32_t>(step) * 16 * 128),
+            1);
+      }
+    }
+    ptx::wgmma_commit_group();
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(s);
+    ptx::wgmma_fence_operands(o);
+#pragma unroll
+    for (int page = 0; page < 8; ++page) ptx::wgmma_fence_operands(s16[page]);
+  }
+  float total = 0;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total += s[i] + o[i] + s16[i / 8][i % 8];
+  if (total == 12345.0f) sink[threadIdx.x] = total;  // keeps the accumulators live
+}
+
+struct Case {
+  const char* name;
+  void (*kernel)(int, float*);
+  double flop_per_iteration;  // per warpgroup
+};
+
+}  // namespace
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  float* sink = nullptr;
+  cudaMalloc(&sink, 256 * sizeof(float));
+  const int smem = static_cast<int>(kQBytes + 2 * kKBytes + 1024);
+  const double gemm = 2.0 * kRows * kKeys * kDim;  // one 64 x 128 x 128 product
+  const Case cases[] = {
+      {"n128-ss (S today)", gemm_rates<Mode::kN128Ss>, gemm},
+      {"n64-ss x2", gemm_rates<Mode::kN64Ss>, gemm},
+      {"n16-ss x8", gemm_rates<Mode::kN16Ss>, gemm},
+      {"n16-rs x8", gemm_rates<Mode::kN16Rs>, gemm},
+      {"n128-rs-v (PV today)", gemm_rates<Mode::kN128RsV>, gemm},
+      {"tile n128-ss + PV", gemm_rates<Mode::kTileN128>, 2 * gemm},
+      {"tile n16-rs x8 + PV", gemm_rates<Mode::kTileN16Rs>, 2 * gemm},
+  };
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::printf("%d SMs, 2 warpgroups per CTA, one CTA per SM, bf16 -> f32\n", sms);
+  std::printf("%-24s %10s %8s\n", "form", "TFLOP/s", "x S/tile today");
+  double reference[2] = {0, 0};
+  for (const Case& c : cases) {
+    cudaFuncSetAttribute(c.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const int iterations = 20000;
+    c.kernel<<<sms, 256, smem>>>(200, sink);  // warm-up (clocks)
+    double best = 0;
+    for (int round = 0; round < 3; ++round) {
+      cudaEventRecord(start);
+      c.kernel<<<sms, 256, smem>>>(iterations, sink);
+      cudaEventRecord(stop);
+      if (cudaEventSynchronize(stop) != cudaSuccess) {
+        std::printf("%-24s failed: %s\n", c.name, cudaGetErrorString(cudaGetLastError()));
+        return 1;
+      }
+      float ms = 0;
+      cudaEventElapsedTime(&ms, start, stop);
+      const double rate = double(sms) * 2 * iterations * c.flop_per_iteration / (ms * 1e-3) / 1e12;
+      if (rate > best) best = rate;
+    }
+    const bool tile = c.flop_per_iteration > gemm;
+    if (c.kernel == gemm_rates<Mode::kN128Ss>) reference[0] = best;
+    if (c.kernel == gemm_rates<Mode::kTileN128>) reference[1] = best;
+    std::printf("%-24s %10.1f %8.2f\n", c.name, best, best / reference[tile ? 1 : 0]);
+  }
+  return 0;
+}
