@@ -39,31 +39,10 @@ constexpr uint32_t kBlockBytes = kKeys * 128;       // one 64-column block of K
 
 enum class Mode : int { kN128Ss, kN64Ss, kN16Ss, kN16Rs, kN128RsV, kTileN128, kTileN16Rs };
 
-// wgmma.mma_async m64n16k16 (PTX ISA 9.7.15.5), bf16 inputs, f32 accumulators; B K-major.
-__device__ __forceinline__ void n16_ss(float (&d)[8], uint64_t a, uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7])
-      : "l"(a), "l"(b), "r"(accumulate));
-}
-__device__ __forceinline__ void n16_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t b,
-                                       int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-}
-
 // Descriptor of k-step `step` (16 columns) of a [rows][128] tile stored as 64-column blocks of
 // `block_bytes`, 128-byte swizzle, starting `row_bytes` into each block.
-__device__ __forceinline__ uint64_t step_descriptor(uint32_t base, uint32_t block_bytes,
-                                                    int step, uint32_t row_bytes = 0) {
+__device__ __forceinline__ uint64_t step_descriptor(uint32_t base, uint32_t block_bytes, int step,
+                                                    uint32_t row_bytes = 0) {
   const uint32_t address = base + static_cast<uint32_t>(step / 4) * block_bytes +
                            static_cast<uint32_t>(step % 4) * 32 + row_bytes;
   return ptx::wgmma_descriptor_sw128(address, 16, 1024);
@@ -124,8 +103,9 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
       for (int step = 0; step < 8; ++step) {
 #pragma unroll
         for (int page = 0; page < 8; ++page) {
-          n16_ss(s16[page], step_descriptor(q, q_block, step),
-                 step_descriptor(k, kBlockBytes, step, 16u * 128u * page), step > 0);
+          ptx::Wgmma<16, DType::kBFloat16>::ss(
+              s16[page], step_descriptor(q, q_block, step),
+              step_descriptor(k, kBlockBytes, step, 16u * 128u * page), step > 0);
         }
       }
     } else if constexpr (kMode == Mode::kN16Rs || kMode == Mode::kTileN16Rs) {
@@ -133,8 +113,9 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
       for (int page = 0; page < 8; ++page) {
 #pragma unroll
         for (int step = 0; step < 8; ++step) {
-          n16_rs(s16[page], a[step],
-                 step_descriptor(k, kBlockBytes, step, 16u * 128u * page), step > 0);
+          ptx::Wgmma<16, DType::kBFloat16>::rs(
+              s16[page], a[step], step_descriptor(k, kBlockBytes, step, 16u * 128u * page),
+              step > 0);
         }
       }
     }

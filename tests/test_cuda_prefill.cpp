@@ -506,6 +506,33 @@ TEST(CudaPrefill, PagesOf64KeysEveryVariant) {
   }
 }
 
+// 16-key pages at d128: every dtype, soft-cap and mask variant, GQA groups 1, 4 and 8, both
+// layouts, requests ending inside a page and inside a key tile (their last tile gathered into the
+// page layout), an empty request, one of a single page and one of a single key tile. Served by
+// the page-by-page V kernel, or with TESSERA_SM90_PAGED_K=1 (a pass of tools/gpu-check.sh) by the
+// page-by-page K/V kernel (Q K^T per page, Q in registers).
+TEST(CudaPrefill, PagesOf16KeysEveryVariant) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 13);
+  int index = 0;
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (int group : {1, 4, 8}) {
+      for (int variant = 0; variant < 3; ++variant) {
+        AttentionCase c =
+            manual_case({70, 0, 16, 33, 128}, {300, 0, 16, 390, 128}, 8, 8 / group, 128, dtype);
+        c.paged = true;
+        c.layout = index % 2 == 0 ? KVLayout::kNHD : KVLayout::kHND;
+        c.page_size = 16;
+        c.spare_pages = 3;
+        c.causal = variant != 1;
+        c.soft_cap = variant == 2 ? 25.0f : 0.0f;
+        SCOPED_TRACE("case " + std::to_string(index++));
+        check_case(c, rng);
+      }
+    }
+  }
+}
+
 // Step 5 of the planner (the tail, TESSERA_PLAN_TAIL=1): one request of equal q tiles, a few
 // more items than twice the device's workers, so that a few workers would run a third item
 // while the rest wait; the plan cuts those items into key pieces merged afterwards. The length
