@@ -275,7 +275,21 @@ bool sm90_serves(const AttentionCase& c) {
       .empty();
 }
 
-// The kernel family the last launch used, when the plan launched anything.
+// The page layout tag of the sm90 kernel that should serve a case (prefill_kernel_name), from
+// the dispatch rule restated here: d128 over 16-key pages with TESSERA_SM90_PAGED_K=1 gets K and
+// V page by page, d128 over pages shorter than a key tile V page by page (unless
+// TESSERA_SM90_PAGED_V=0); "" for the rest.
+std::string expected_page_tag(const AttentionCase& c) {
+  if (!c.paged || c.head_dim != 128) return "";
+  const char* page_k = std::getenv("TESSERA_SM90_PAGED_K");
+  if (page_k != nullptr && std::string(page_k) == "1" && c.page_size == 16) return ", paged K/V";
+  const char* page_v = std::getenv("TESSERA_SM90_PAGED_V");
+  const bool v_on = page_v == nullptr || std::string(page_v) != "0";
+  return v_on && c.page_size < 128 ? ", paged V" : "";
+}
+
+// The kernel family the last launch used, when the plan launched anything; for the sm90 family
+// also its page layout.
 void expect_family(const AttentionCase& c, const Plan& plan, const char* prefix,
                    const std::string& run) {
   if (plan.work.empty()) return;
@@ -283,6 +297,14 @@ void expect_family(const AttentionCase& c, const Plan& plan, const char* prefix,
   EXPECT_EQ(kernel.rfind(prefix, 0), 0u)
       << "expected a " << prefix << " kernel, ran " << kernel << "\n  case: " << c.describe()
       << "\n  run: " << run;
+  if (std::string(prefix) != "tessera::sm90::") return;
+  const std::string tag = expected_page_tag(c);
+  const bool tagged = !tag.empty() && kernel.find(tag) != std::string::npos &&
+                      (tag == ", paged K/V" || kernel.find(", paged K/V") == std::string::npos);
+  const bool untagged = tag.empty() && kernel.find(", paged") == std::string::npos;
+  EXPECT_TRUE(tagged || untagged) << "expected the sm90 kernel" << (tag.empty() ? " without" : "")
+                                  << " '" << (tag.empty() ? ", paged" : tag) << "', ran "
+                                  << kernel << "\n  case: " << c.describe() << "\n  run: " << run;
 }
 
 // TESSERA_PREFILL_KERNEL=sm80 for the guard's lifetime: the portable kernels serve every call.

@@ -71,12 +71,13 @@ if [ "${TESSERA_SKIP_TESTS:-0}" != 1 ]; then
   done
   # The prefill suite again under settings that change which kernel path serves it: the d128
   # 176-key-tile kernel (by default only for requests of >= 4096 keys) forced on for every
-  # non-causal ragged case, the opt-in d128 page-by-page K/V kernel for 16-key pages, and any
+  # non-causal ragged case, the opt-in d128 page-by-page K/V kernel for 16-key pages (also with
+  # every K/V tile gathered into its page layout), and any
   # TESSERA_PREFILL_TEST_PASSES (';'-separated "VAR=VALUE[,VAR=VALUE]", e.g.
   # TESSERA_SM90_KV=gather).
   if [ -x "$build/tests/test_cuda_prefill" ] && { [ -z "${TESSERA_TESTS:-}" ] ||
       [[ " $TESSERA_TESTS " == *" test_cuda_prefill "* ]]; }; then
-    IFS=';' read -ra prefill_passes <<<"TESSERA_SM90_WIDE=1;TESSERA_SM90_PAGED_K=1${TESSERA_PREFILL_TEST_PASSES:+;$TESSERA_PREFILL_TEST_PASSES}"
+    IFS=';' read -ra prefill_passes <<<"TESSERA_SM90_WIDE=1;TESSERA_SM90_PAGED_K=1;TESSERA_SM90_PAGED_K=1,TESSERA_SM90_KV=gather${TESSERA_PREFILL_TEST_PASSES:+;$TESSERA_PREFILL_TEST_PASSES}"
     for pass in "${prefill_passes[@]}"; do
       IFS=',' read -ra assignments <<<"$pass"
       echo "=== test_cuda_prefill ($pass)" >>"$log"

@@ -230,17 +230,18 @@ class PrefillConsumer {
 
   // S = Q K^T over a page-laid-out K tile (Traits::kKPageBoxes): per k-step, one m64n16k16 per
   // 16 keys, A = Q from registers. Key k sits at page k / R, row k % R (R = kKPageRows, a
-  // compile-time constant so every offset is an immediate), column blocks R rows apart; at R = 8
-  // a 16-key slice would span two pages a page apart (SBO = page).
+  // compile-time constant so every offset is an immediate), column blocks R rows apart; a 16-key
+  // slice is two 8-row groups 1024 bytes apart.
   __device__ __forceinline__ void issue_scores_paged(float (&s)[kScoreRegs],
                                                      const uint32_t (&q)[kQFragmentSteps][4],
                                                      int stage) const {
     constexpr uint32_t rows = Traits::kKPageRows;
+    static_assert(rows % 16 == 0 && std::has_single_bit(rows),
+                  "each 16-key slice inside one page, pages a power of two");
     constexpr uint32_t shift = std::countr_zero(rows);
     constexpr uint32_t page_bytes = rows * Traits::kColumnBlocks * Traits::kRowBytes;
     constexpr uint32_t block_bytes = rows * Traits::kRowBytes;
-    constexpr uint32_t stride = rows < 16 ? page_bytes : 1024;
-    const uint64_t b0 = ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(smem_.k(stage), 16, stride));
+    const uint64_t b0 = ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(smem_.k(stage), 16, 1024));
     ptx::wgmma_fence();
 #pragma unroll
     for (int step = 0; step < Traits::kHeadSteps; ++step) {
@@ -436,9 +437,13 @@ class PrefillConsumer {
     // Page-laid-out K: Q's A fragments read from its buffer for each key tile (live only until
     // that tile's Q K^T has run; held for the whole tile they make the softmax spill).
     uint32_t q[kQFragmentSteps][4];
+    // (The ldmatrix of Q comes before the scheduler turn, out of the other warpgroup's way; the
+    // previous key tile's S, which read q, has completed by then.)
+    const auto load_q = [&] {
+      if constexpr (Traits::kKPageBoxes) load_q_fragments(q);
+    };
     const auto scores = [&](int slot) {
       if constexpr (Traits::kKPageBoxes) {
-        load_q_fragments(q);
         issue_scores_paged(s, q, slot);
       } else {
         issue_scores(s, slot);
@@ -456,6 +461,7 @@ class PrefillConsumer {
     int stage = ptx::warp_uniform(ring.stage<Traits::kStages>());
     wait_full(smem_.k_full(stage), ring.parity<Traits::kStages>(),
               key_tile_is_gathered<Traits::kBlockN>(params_, tile, 0));
+    load_q();
     scheduler_wait();
     scores(stage);
     scheduler_pass();
@@ -473,6 +479,7 @@ class PrefillConsumer {
       const int previous_stage = ptx::warp_uniform(previous.stage<Traits::kStages>());
       wait_full(smem_.k_full(stage), ring.parity<Traits::kStages>(),
                 key_tile_is_gathered<Traits::kBlockN>(params_, tile, t));
+      load_q();
       scheduler_wait();
       scores(stage);
       if constexpr (!kRescaleLate) rescale_output(o, softmax);

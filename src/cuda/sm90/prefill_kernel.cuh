@@ -204,20 +204,22 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   };
   if constexpr (Traits::kKPageBoxes) {
     // K and V page by page, Q K^T per 16 keys of one page (prefill_consumer.cuh): only pages
-    // of exactly kKPageRows keys (the dispatch picks this kernel for those). Without the
-    // 5-d maps every tile is gathered into the same layout.
+    // of exactly kKPageRows keys (the dispatch picks this kernel for those). The 5-d maps take
+    // K and V in any stride order, so they are tried whatever became of the 4-d ones above;
+    // without them (or with TESSERA_SM90_KV=gather) every tile is gathered into the same layout.
     if (!kv.paged || kv.page_size != Traits::kKPageRows || problem.head_dim != Traits::kHeadDim) {
       *why = "the page-by-page K kernel needs pages of " + std::to_string(Traits::kKPageRows) +
              " keys and head_dim " + std::to_string(Traits::kHeadDim);
       return false;
     }
     CUtensorMap k_map, v_map;
-    if (kv_tma && page_map(&k_map, false) && page_map(&v_map, true)) {
+    const bool page_tma = !gather_all && page_map(&k_map, false) && page_map(&v_map, true);
+    if (page_tma) {
       params->k_map = k_map;
       params->v_map = v_map;
-    } else {
-      params->kv_tma = 0;
     }
+    params->kv_tma = page_tma ? 1 : 0;
+    params->kv_box_rows = Traits::kKPageRows;
     params->v_page_rows = Traits::kKPageRows;
   } else if constexpr (Traits::kVPageBoxes) {
     if (kv_tma && kv.paged && box_rows < Traits::kBlockN && problem.head_dim == Traits::kHeadDim) {
