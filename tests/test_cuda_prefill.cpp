@@ -503,22 +503,22 @@ TEST(CudaPrefill, PagedLayoutsAndPageSizes) {
   }
 }
 
-// The page-by-page V kernel at its largest page (two pages per key tile): every dtype, soft-cap
-// and mask variant, GQA groups 1 and 4, both layouts, requests ending inside a page and inside a
-// key tile (their last tile gathered into the page layout), an empty request, and one of
-// exactly one page.
-TEST(CudaPrefill, PagesOf64KeysEveryVariant) {
-  TESSERA_SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(base_seed() + 11);
+// d128 over pages of one size: every dtype, soft-cap and mask variant (causal, none, causal with
+// soft-cap), each GQA group of `groups` (of 8 query heads), NHD and HND alternately, the given
+// requests.
+void check_page_variants(int32_t page_size, const std::vector<int32_t>& q_lens,
+                         const std::vector<int32_t>& kv_lens, std::initializer_list<int> groups,
+                         int32_t spare_pages, uint64_t seed) {
+  std::mt19937_64 rng(seed);
   int index = 0;
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-    for (int group : {1, 4}) {
+    for (int group : groups) {
       for (int variant = 0; variant < 3; ++variant) {
-        AttentionCase c = manual_case({70, 0, 64, 33}, {200, 0, 64, 390}, 8, 8 / group, 128, dtype);
+        AttentionCase c = manual_case(q_lens, kv_lens, 8, 8 / group, 128, dtype);
         c.paged = true;
         c.layout = index % 2 == 0 ? KVLayout::kNHD : KVLayout::kHND;
-        c.page_size = 64;
-        c.spare_pages = 2;
+        c.page_size = page_size;
+        c.spare_pages = spare_pages;
         c.causal = variant != 1;
         c.soft_cap = variant == 2 ? 25.0f : 0.0f;
         SCOPED_TRACE("case " + std::to_string(index++));
@@ -528,31 +528,22 @@ TEST(CudaPrefill, PagesOf64KeysEveryVariant) {
   }
 }
 
-// 16-key pages at d128: every dtype, soft-cap and mask variant, GQA groups 1, 4 and 8, both
-// layouts, requests ending inside a page and inside a key tile (their last tile gathered into the
-// page layout), an empty request, one of a single page and one of a single key tile. Served by
-// the page-by-page V kernel, or with TESSERA_SM90_PAGED_K=1 (a pass of tools/gpu-check.sh) by the
-// page-by-page K/V kernel (Q K^T per page, Q in registers).
+// The page-by-page V kernel at its largest page (two pages per key tile), GQA groups 1 and 4:
+// requests ending inside a page and inside a key tile (their last tile gathered into the page
+// layout), an empty request, and one of exactly one page.
+TEST(CudaPrefill, PagesOf64KeysEveryVariant) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  check_page_variants(64, {70, 0, 64, 33}, {200, 0, 64, 390}, {1, 4}, 2, base_seed() + 11);
+}
+
+// 16-key pages, GQA groups 1, 4 and 8: requests ending inside a page and inside a key tile (their
+// last tile gathered into the page layout), an empty request, one of a single page and one of a
+// single key tile. Served by the page-by-page V kernel, or with TESSERA_SM90_PAGED_K=1 (a pass of
+// tools/gpu-check.sh) by the page-by-page K/V kernel (Q K^T per page, Q in registers).
 TEST(CudaPrefill, PagesOf16KeysEveryVariant) {
   TESSERA_SKIP_WITHOUT_GPU();
-  std::mt19937_64 rng(base_seed() + 13);
-  int index = 0;
-  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-    for (int group : {1, 4, 8}) {
-      for (int variant = 0; variant < 3; ++variant) {
-        AttentionCase c =
-            manual_case({70, 0, 16, 33, 128}, {300, 0, 16, 390, 128}, 8, 8 / group, 128, dtype);
-        c.paged = true;
-        c.layout = index % 2 == 0 ? KVLayout::kNHD : KVLayout::kHND;
-        c.page_size = 16;
-        c.spare_pages = 3;
-        c.causal = variant != 1;
-        c.soft_cap = variant == 2 ? 25.0f : 0.0f;
-        SCOPED_TRACE("case " + std::to_string(index++));
-        check_case(c, rng);
-      }
-    }
-  }
+  check_page_variants(16, {70, 0, 16, 33, 128}, {300, 0, 16, 390, 128}, {1, 4, 8}, 3,
+                      base_seed() + 13);
 }
 
 // Step 5 of the planner (the tail, TESSERA_PLAN_TAIL=1): one request of equal q tiles, a few

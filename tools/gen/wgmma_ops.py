@@ -42,37 +42,27 @@ def wrapper(n, dtype_enum, ptx_type):
         : {accumulators(n)}
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   }}"""
-    rs = f"""  // Emits wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} with A from registers
-  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, MN-major (imm-trans-b = 1:
-  // B is stored [k][n], n contiguous, which is how V tiles sit in shared memory).
-  static __device__ __forceinline__ void rs_b_mn_major(float (&d)[{regs}], const uint32_t (&a)[4],
-                                                       uint64_t desc_b, int accumulate) {{
+    def register_a(name, trans_b, what):
+        return f"""  // Emits wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} with A from registers
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, {what}.
+  static __device__ __forceinline__ void {name}(float (&d)[{regs}], const uint32_t (&a)[4],
+{" " * (42 + len(name))}uint64_t desc_b, int accumulate) {{
     asm volatile(
         "{{\\n"
         ".reg .pred p;\\n"
         "setp.ne.b32 p, %{regs + 5}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
         "{{{d}}}, "
-        "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, 1;\\n"
+        "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, {trans_b};\\n"
         "}}\\n"
         : {accumulators(n)}
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
   }}"""
-    rs_k = f"""  // Emits wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
-  static __device__ __forceinline__ void rs(float (&d)[{regs}], const uint32_t (&a)[4],
-                                            uint64_t desc_b, int accumulate) {{
-    asm volatile(
-        "{{\\n"
-        ".reg .pred p;\\n"
-        "setp.ne.b32 p, %{regs + 5}, 0;\\n"
-        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "
-        "{{{d}}}, "
-        "{{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, p, 1, 1, 0;\\n"
-        "}}\\n"
-        : {accumulators(n)}
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
-  }}"""
+
+    rs = register_a("rs_b_mn_major", 1, "MN-major (imm-trans-b = 1:\n"
+                    "  // B is stored [k][n], n contiguous, which is how V tiles sit in shared memory)")
+    rs_k = register_a("rs", 0, "K-major (imm-trans-b = 0:\n"
+                      "  // B stored [n][k], as K tiles are)")
     return f"""template <>
 struct Wgmma<{n}, DType::{dtype_enum}> {{
 {ss}

@@ -54,7 +54,8 @@ struct Wgmma<16, DType::kFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[8], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -113,7 +114,8 @@ struct Wgmma<64, DType::kFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[32], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -183,7 +185,8 @@ struct Wgmma<128, DType::kFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[64], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -263,7 +266,8 @@ struct Wgmma<176, DType::kFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n176k16.f32.f16.f16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[88], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -348,7 +352,8 @@ struct Wgmma<192, DType::kFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n192k16.f32.f16.f16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[96], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -442,7 +447,8 @@ struct Wgmma<256, DType::kFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[128], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -510,7 +516,8 @@ struct Wgmma<16, DType::kBFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[8], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -569,7 +576,8 @@ struct Wgmma<64, DType::kBFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[32], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -639,7 +647,8 @@ struct Wgmma<128, DType::kBFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[64], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -719,7 +728,8 @@ struct Wgmma<176, DType::kBFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n176k16.f32.bf16.bf16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[88], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -804,7 +814,8 @@ struct Wgmma<192, DType::kBFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[96], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
@@ -898,7 +909,8 @@ struct Wgmma<256, DType::kBFloat16> {
   }
 
   // Emits wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 with A from registers
-  // and B from shared memory, K-major (imm-trans-b = 0: B stored [n][k], as K tiles are).
+  // (the m64k16 fragment, see wgmma.cuh) and B from shared memory, K-major (imm-trans-b = 0:
+  // B stored [n][k], as K tiles are).
   static __device__ __forceinline__ void rs(float (&d)[128], const uint32_t (&a)[4],
                                             uint64_t desc_b, int accumulate) {
     asm volatile(
