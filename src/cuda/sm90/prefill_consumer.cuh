@@ -214,6 +214,14 @@ class PrefillConsumer {
     if (gathered) ptx::fence_proxy_async_shared();
   }
 
+  // Byte offset of key `key` in a page-laid-out K/V tile (prefill_traits.cuh): page key / R,
+  // row key % R of it, pages `page_bytes` apart (R = rows = 2^shift).
+  __device__ __forceinline__ static uint32_t page_layout_offset(uint32_t key, uint32_t rows,
+                                                                uint32_t shift,
+                                                                uint32_t page_bytes) {
+    return (key >> shift) * page_bytes + (key & (rows - 1)) * Traits::kRowBytes;
+  }
+
   // Q's A fragments (k-step, 4 registers) from the swizzled Q tile: ldmatrix.x4 per k-step,
   // lane l addressing row l % 16 of its warp's 16 rows, 8 columns at (l / 16) * 8.
   __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[kQFragmentSteps][4]) const {
@@ -249,8 +257,7 @@ class PrefillConsumer {
 #pragma unroll
       for (int slice = 0; slice < Traits::kBlockN / 16; ++slice) {
         const uint32_t key = static_cast<uint32_t>(slice * 16);
-        const uint32_t offset =
-            (key >> shift) * page_bytes + (key & (rows - 1)) * Traits::kRowBytes + in_block;
+        const uint32_t offset = page_layout_offset(key, rows, shift, page_bytes) + in_block;
         ptx::Wgmma<16, kDType>::rs(reinterpret_cast<float(&)[8]>(s[8 * slice]), q[step],
                                    ptx::wgmma_descriptor_advance(b0, offset), step > 0 ? 1 : 0);
       }
@@ -304,7 +311,7 @@ class PrefillConsumer {
       const uint32_t key = static_cast<uint32_t>(step * 16);
       uint32_t offset = key * Traits::kRowBytes;
       if constexpr (Traits::kVPageBoxes) {
-        offset = (key >> shift) * page_bytes + (key & (rows - 1)) * Traits::kRowBytes;
+        offset = page_layout_offset(key, rows, shift, page_bytes);
       }
       ptx::Wgmma<Traits::kHeadDim, kDType>::rs_b_mn_major(
           o, p[step], ptx::wgmma_descriptor_advance(b0, offset), 1);

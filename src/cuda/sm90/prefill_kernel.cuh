@@ -166,8 +166,9 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
     return text != nullptr && std::string(text) == "gather";
   }();
   if (gather_all) kv_tma = false;
+  // (The page-by-page K/V kernel encodes its own 5-d maps below instead.)
   kv_tma =
-      kv_tma &&
+      kv_tma && !Traits::kKPageBoxes &&
       encode_kv_map<Traits>(&params->k_map, problem, false, box_rows, k_heads_first, &reason) &&
       encode_kv_map<Traits>(&params->v_map, problem, true, box_rows, k_heads_first, &reason);
   params->kv_tma = kv_tma ? 1 : 0;
@@ -205,8 +206,8 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   if constexpr (Traits::kKPageBoxes) {
     // K and V page by page, Q K^T per 16 keys of one page (prefill_consumer.cuh): only pages
     // of exactly kKPageRows keys (the dispatch picks this kernel for those). The 5-d maps take
-    // K and V in any stride order, so they are tried whatever became of the 4-d ones above;
-    // without them (or with TESSERA_SM90_KV=gather) every tile is gathered into the same layout.
+    // K and V in any stride order, so they do not depend on the 4-d conditions above; without
+    // them (or with TESSERA_SM90_KV=gather) every tile is gathered into the same layout.
     if (!kv.paged || kv.page_size != Traits::kKPageRows || problem.head_dim != Traits::kHeadDim) {
       *why = "the page-by-page K kernel needs pages of " + std::to_string(Traits::kKPageRows) +
              " keys and head_dim " + std::to_string(Traits::kHeadDim);
@@ -219,7 +220,6 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
       params->v_map = v_map;
     }
     params->kv_tma = page_tma ? 1 : 0;
-    params->kv_box_rows = Traits::kKPageRows;
     params->v_page_rows = Traits::kKPageRows;
   } else if constexpr (Traits::kVPageBoxes) {
     if (kv_tma && kv.paged && box_rows < Traits::kBlockN && problem.head_dim == Traits::kHeadDim) {
