@@ -276,13 +276,10 @@ bool sm90_serves(const AttentionCase& c) {
 }
 
 // The page layout tag of the sm90 kernel that should serve a case (prefill_kernel_name), from
-// the dispatch rule restated here: d128 over 16-key pages with TESSERA_SM90_PAGED_K=1 gets K and
-// V page by page, d128 over pages shorter than a key tile V page by page (unless
-// TESSERA_SM90_PAGED_V=0); "" for the rest.
+// the dispatch rule restated here: d128 over pages shorter than a key tile gets V page by page
+// (unless TESSERA_SM90_PAGED_V=0); "" for the rest.
 std::string expected_page_tag(const AttentionCase& c) {
   if (!c.paged || c.head_dim != 128) return "";
-  const char* page_k = std::getenv("TESSERA_SM90_PAGED_K");
-  if (page_k != nullptr && std::string(page_k) == "1" && c.page_size == 16) return ", paged K/V";
   const char* page_v = std::getenv("TESSERA_SM90_PAGED_V");
   const bool v_on = page_v == nullptr || std::string(page_v) != "0";
   return v_on && c.page_size < 128 ? ", paged V" : "";
@@ -299,8 +296,7 @@ void expect_family(const AttentionCase& c, const Plan& plan, const char* prefix,
       << "\n  run: " << run;
   if (std::string(prefix) != "tessera::sm90::") return;
   const std::string tag = expected_page_tag(c);
-  const bool tagged = !tag.empty() && kernel.find(tag) != std::string::npos &&
-                      (tag == ", paged K/V" || kernel.find(", paged K/V") == std::string::npos);
+  const bool tagged = !tag.empty() && kernel.find(tag) != std::string::npos;
   const bool untagged = tag.empty() && kernel.find(", paged") == std::string::npos;
   EXPECT_TRUE(tagged || untagged) << "expected the sm90 kernel" << (tag.empty() ? " without" : "")
                                   << " '" << (tag.empty() ? ", paged" : tag) << "', ran "
@@ -538,8 +534,7 @@ TEST(CudaPrefill, PagesOf64KeysEveryVariant) {
 
 // 16-key pages, GQA groups 1, 4 and 8: requests ending inside a page and inside a key tile (their
 // last tile gathered into the page layout), an empty request, one of a single page and one of a
-// single key tile. Served by the page-by-page V kernel, or with TESSERA_SM90_PAGED_K=1 (a pass of
-// tools/gpu-check.sh) by the page-by-page K/V kernel (Q K^T per page, Q in registers).
+// single key tile. Served by the page-by-page V kernel.
 TEST(CudaPrefill, PagesOf16KeysEveryVariant) {
   TESSERA_SKIP_WITHOUT_GPU();
   check_page_variants(16, {70, 0, 16, 33, 128}, {300, 0, 16, 390, 128}, {1, 4, 8}, 3,

@@ -71,13 +71,12 @@ if [ "${TESSERA_SKIP_TESTS:-0}" != 1 ]; then
   done
   # The prefill suite again under settings that change which kernel path serves it: the d128
   # 176-key-tile kernel (by default only for requests of >= 4096 keys) forced on for every
-  # non-causal ragged case, the opt-in d128 page-by-page K/V kernel for 16-key pages (also with
-  # every K/V tile gathered into its page layout), and any
-  # TESSERA_PREFILL_TEST_PASSES (';'-separated "VAR=VALUE[,VAR=VALUE]", e.g.
-  # TESSERA_SM90_KV=gather).
+  # non-causal ragged case, every K/V tile gathered (cp.async: the path of tails and unaligned
+  # pages, into the ragged and the page-by-page V layouts), and any TESSERA_PREFILL_TEST_PASSES
+  # (';'-separated "VAR=VALUE[,VAR=VALUE]").
   if [ -x "$build/tests/test_cuda_prefill" ] && { [ -z "${TESSERA_TESTS:-}" ] ||
       [[ " $TESSERA_TESTS " == *" test_cuda_prefill "* ]]; }; then
-    IFS=';' read -ra prefill_passes <<<"TESSERA_SM90_WIDE=1;TESSERA_SM90_PAGED_K=1;TESSERA_SM90_PAGED_K=1,TESSERA_SM90_KV=gather${TESSERA_PREFILL_TEST_PASSES:+;$TESSERA_PREFILL_TEST_PASSES}"
+    IFS=';' read -ra prefill_passes <<<"TESSERA_SM90_WIDE=1;TESSERA_SM90_KV=gather${TESSERA_PREFILL_TEST_PASSES:+;$TESSERA_PREFILL_TEST_PASSES}"
     for pass in "${prefill_passes[@]}"; do
       IFS=',' read -ra assignments <<<"$pass"
       echo "=== test_cuda_prefill ($pass)" >>"$log"
@@ -136,10 +135,10 @@ if [ "${TESSERA_SKIP_SANITIZER:-0}" != 1 ]; then
       [ $rc -eq 0 ] || status=1
     done
   done
-  # The prefill set again with the opt-in page-by-page K/V kernel and under any other settings
-  # (TESSERA_SANITIZER_PASSES, ';'-separated "VAR=VALUE[,VAR=VALUE]"): memcheck, racecheck and
-  # synccheck.
-  IFS=';' read -ra sanitizer_passes <<<"TESSERA_SM90_PAGED_K=1${TESSERA_SANITIZER_PASSES:+;$TESSERA_SANITIZER_PASSES}"
+  # The prefill set again with the planner's tail step (TESSERA_PLAN_TAIL=1, off by default) and
+  # under any other settings (TESSERA_SANITIZER_PASSES, ';'-separated "VAR=VALUE[,VAR=VALUE]"):
+  # memcheck, racecheck and synccheck.
+  IFS=';' read -ra sanitizer_passes <<<"TESSERA_PLAN_TAIL=1${TESSERA_SANITIZER_PASSES:+;$TESSERA_SANITIZER_PASSES}"
   for pass in "${sanitizer_passes[@]}"; do
     [ -x "$build/tests/test_cuda_prefill" ] || continue
     IFS=',' read -ra assignments <<<"$pass"

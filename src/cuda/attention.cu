@@ -317,7 +317,7 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
         plan.kv_lens.empty() ? 0 : *std::min_element(plan.kv_lens.begin(), plan.kv_lens.end());
     hopper = sm90::find_prefill_kernel(
         problem.head_dim, problem.q_dtype, soft_cap, wide_tiles, shortest_kv_len,
-        sm90::paged_layout(problem.head_dim, problem.kv.paged, problem.kv.page_size));
+        sm90::page_by_page_v(problem.head_dim, problem.kv.paged, problem.kv.page_size));
     if (hopper != nullptr && hopper->smem_bytes > info.max_smem_per_block_optin) hopper = nullptr;
   }
   if (hopper == nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) {

@@ -49,18 +49,13 @@ const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap);
 // window or soft-cap.
 const PrefillKernel* prefill_kernel_d128_wide(DType dtype);
 const PrefillKernel* prefill_kernel_d64_wide(DType dtype);
-// d128 for paged caches with pages shorter than a key tile (V copied one box per page), and for
-// 16-key pages (K and V copied one box per page, Q K^T per page).
+// d128 for paged caches with pages shorter than a key tile (V copied one box per page).
 const PrefillKernel* prefill_kernel_d128_paged(DType dtype, bool soft_cap);
-const PrefillKernel* prefill_kernel_d128_page16(DType dtype, bool soft_cap);
 
-// How the d128 kernels lay out the K/V tiles of a problem: as ragged tiles (kTiles: ragged K/V,
-// pages of a whole key tile or more, or another head_dim), V page by page (kPageV: pages shorter
-// than the key tile; TESSERA_SM90_PAGED_V=0 turns it off, for timing), or K and V page by page
-// (kPageKV: 16-key pages, only with TESSERA_SM90_PAGED_K=1 until it has been validated and timed
-// on a GPU). The 5-d page boxes span whole rows, so head_dim must be exactly 128.
-enum class PagedLayout { kTiles, kPageV, kPageKV };
-PagedLayout paged_layout(int head_dim, bool paged, int32_t page_size);
+// Whether the d128 page-by-page V kernel serves a problem: paged K/V whose pages are shorter than
+// its key tile, head_dim exactly 128 (the 5-d V box spans whole rows), and not turned off by
+// TESSERA_SM90_PAGED_V=0 (for timing the two side by side).
+bool page_by_page_v(int head_dim, bool paged, int32_t page_size);
 
 // When the wide-tile kernels (d128 176-key, d64 192-key) run: for ragged K/V without a causal
 // mask, window or soft-cap whose requests all have at least kWideTilesMinKeysD64 / D128 keys
@@ -78,12 +73,12 @@ inline constexpr int32_t kWideTilesMinKeysD64 = 4096;
 inline constexpr int32_t kWideTilesMinKeysD128 = 8192;
 
 // wide_tiles_allowed: the problem's mask and K/V allow the wide-tile kernel;
-// shortest_kv_len: the fewest keys of any request of the plan; layout: paged_layout() of the
-// problem.
+// shortest_kv_len: the fewest keys of any request of the plan; page_by_page: page_by_page_v()
+// of the problem.
 inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool soft_cap,
                                                 bool wide_tiles_allowed = false,
                                                 int64_t shortest_kv_len = 0,
-                                                PagedLayout layout = PagedLayout::kTiles) {
+                                                bool page_by_page = false) {
   const WideTiles mode = wide_tiles_allowed && !soft_cap ? wide_tiles_mode() : WideTiles::kOff;
   const int bucket = prefill_head_dim_bucket(head_dim);
   const int32_t min_keys = bucket == 64 ? kWideTilesMinKeysD64 : kWideTilesMinKeysD128;
@@ -93,11 +88,8 @@ inline const PrefillKernel* find_prefill_kernel(int head_dim, DType dtype, bool 
     case 64: return wide ? prefill_kernel_d64_wide(dtype) : prefill_kernel_d64(dtype, soft_cap);
     case 128:
       if (wide) return prefill_kernel_d128_wide(dtype);
-      switch (layout) {
-        case PagedLayout::kPageV: return prefill_kernel_d128_paged(dtype, soft_cap);
-        case PagedLayout::kPageKV: return prefill_kernel_d128_page16(dtype, soft_cap);
-        default: return prefill_kernel_d128(dtype, soft_cap);
-      }
+      return page_by_page ? prefill_kernel_d128_paged(dtype, soft_cap)
+                          : prefill_kernel_d128(dtype, soft_cap);
     case 256: return prefill_kernel_d256(dtype, soft_cap);
     default: return nullptr;
   }

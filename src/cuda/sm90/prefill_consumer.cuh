@@ -20,14 +20,12 @@
 
 #include <cuda_runtime.h>
 
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <numbers>
 
 #include "core/problem.hpp"
 #include "cuda/ptx/convert.cuh"
-#include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/math.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/shuffle.cuh"
@@ -79,8 +77,6 @@ class PrefillConsumer {
   static constexpr int kScoreRegs = Traits::kScoreRegisters;
   static constexpr int kOutputRegs = Traits::kOutputRegisters;
   static constexpr int kKeySteps = Traits::kKeySteps;
-  // Q's A fragments held in registers (page-laid-out K only; a zero-size array is not C++).
-  static constexpr int kQFragmentSteps = Traits::kKPageBoxes ? Traits::kHeadSteps : 1;
   static constexpr uint32_t kSchedulerThreads = 2 * Traits::kWarpgroupThreads;
   static constexpr bool kNarrow = Traits::kNarrowTileMath;  // prefill_tile.cuh
   // Where O takes the correction of the key tile just softmaxed: right after the previous P V
@@ -214,57 +210,6 @@ class PrefillConsumer {
     if (gathered) ptx::fence_proxy_async_shared();
   }
 
-  // Byte offset of key `key` in a page-laid-out K/V tile (prefill_traits.cuh): page key / R,
-  // row key % R of it, pages `page_bytes` apart (R = rows = 2^shift).
-  __device__ __forceinline__ static uint32_t page_layout_offset(uint32_t key, uint32_t rows,
-                                                                uint32_t shift,
-                                                                uint32_t page_bytes) {
-    return (key >> shift) * page_bytes + (key & (rows - 1)) * Traits::kRowBytes;
-  }
-
-  // Q's A fragments (k-step, 4 registers) from the swizzled Q tile: ldmatrix.x4 per k-step,
-  // lane l addressing row l % 16 of its warp's 16 rows, 8 columns at (l / 16) * 8.
-  __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[kQFragmentSteps][4]) const {
-    const int warp = (thread_ / 32) % 4;
-    const uint32_t row = static_cast<uint32_t>(warpgroup_ * 64 + warp * 16 + lane_ % 16);
-#pragma unroll
-    for (int step = 0; step < Traits::kHeadSteps; ++step) {
-      const uint32_t chunk = static_cast<uint32_t>((step % 4) * 2 + lane_ / 16);
-      const uint32_t address = smem_.q() + static_cast<uint32_t>(step / 4) * Traits::kQBlockBytes +
-                               row * Traits::kRowBytes + ((chunk ^ (row % 8)) << 4);
-      ptx::ldmatrix_x4(q[step], address);
-    }
-  }
-
-  // S = Q K^T over a page-laid-out K tile (Traits::kKPageBoxes): per k-step, one m64n16k16 per
-  // 16 keys, A = Q from registers. Key k sits at page k / R, row k % R (R = kKPageRows, a
-  // compile-time constant so every offset is an immediate), column blocks R rows apart; a 16-key
-  // slice is two 8-row groups 1024 bytes apart.
-  __device__ __forceinline__ void issue_scores_paged(float (&s)[kScoreRegs],
-                                                     const uint32_t (&q)[kQFragmentSteps][4],
-                                                     int stage) const {
-    constexpr uint32_t rows = Traits::kKPageRows;
-    static_assert(rows % 16 == 0 && std::has_single_bit(rows),
-                  "each 16-key slice inside one page, pages a power of two");
-    constexpr uint32_t shift = std::countr_zero(rows);
-    constexpr uint32_t page_bytes = rows * Traits::kColumnBlocks * Traits::kRowBytes;
-    constexpr uint32_t block_bytes = rows * Traits::kRowBytes;
-    const uint64_t b0 = ptx::wgmma_opaque(ptx::wgmma_descriptor_sw128(smem_.k(stage), 16, 1024));
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int step = 0; step < Traits::kHeadSteps; ++step) {
-      const uint32_t in_block = static_cast<uint32_t>((step % 4) * 32 + (step / 4) * block_bytes);
-#pragma unroll
-      for (int slice = 0; slice < Traits::kBlockN / 16; ++slice) {
-        const uint32_t key = static_cast<uint32_t>(slice * 16);
-        const uint32_t offset = page_layout_offset(key, rows, shift, page_bytes) + in_block;
-        ptx::Wgmma<16, kDType>::rs(reinterpret_cast<float(&)[8]>(s[8 * slice]), q[step],
-                                   ptx::wgmma_descriptor_advance(b0, offset), step > 0 ? 1 : 0);
-      }
-    }
-    ptx::wgmma_commit_group();
-  }
-
   // S = Q K^T for the key tile in ring slot `stage`: kHeadSteps wgmma, one commit group.
   __device__ __forceinline__ void issue_scores(float (&s)[kScoreRegs], int stage) const {
     const uint32_t q_rows = smem_.q() + static_cast<uint32_t>(warpgroup_ * 64 * Traits::kRowBytes);
@@ -311,7 +256,7 @@ class PrefillConsumer {
       const uint32_t key = static_cast<uint32_t>(step * 16);
       uint32_t offset = key * Traits::kRowBytes;
       if constexpr (Traits::kVPageBoxes) {
-        offset = page_layout_offset(key, rows, shift, page_bytes);
+        offset = (key >> shift) * page_bytes + (key & (rows - 1)) * Traits::kRowBytes;
       }
       ptx::Wgmma<Traits::kHeadDim, kDType>::rs_b_mn_major(
           o, p[step], ptx::wgmma_descriptor_advance(b0, offset), 1);
@@ -441,39 +386,16 @@ class PrefillConsumer {
     const int n = tile.num_key_tiles;
     ptx::mbarrier_wait(smem_.q_full(), static_cast<uint32_t>(q_count & 1));
     ++q_count;
-    // Page-laid-out K: Q's A fragments read from its buffer for each key tile (live only until
-    // that tile's Q K^T has run; held for the whole tile they make the softmax spill).
-    uint32_t q[kQFragmentSteps][4];
-    // (The ldmatrix of Q comes before the scheduler turn, out of the other warpgroup's way; the
-    // previous key tile's S, which read q, has completed by then.)
-    const auto load_q = [&] {
-      if constexpr (Traits::kKPageBoxes) load_q_fragments(q);
-    };
-    const auto scores = [&](int slot) {
-      if constexpr (Traits::kKPageBoxes) {
-        issue_scores_paged(s, q, slot);
-      } else {
-        issue_scores(s, slot);
-      }
-    };
-    const auto scores_done = [&] {
-      ptx::wgmma_fence_operands(s);
-      if constexpr (Traits::kKPageBoxes) {
-#pragma unroll
-        for (int step = 0; step < kQFragmentSteps; ++step) ptx::wgmma_fence_operands(q[step]);
-      }
-    };
 
     // Key tile 0.
     int stage = ptx::warp_uniform(ring.stage<Traits::kStages>());
     wait_full(smem_.k_full(stage), ring.parity<Traits::kStages>(),
               key_tile_is_gathered<Traits::kBlockN>(params_, tile, 0));
-    load_q();
     scheduler_wait();
-    scores(stage);
+    issue_scores(s, stage);
     scheduler_pass();
     ptx::wgmma_wait_group<0>();
-    scores_done();
+    ptx::wgmma_fence_operands(s);
     release(smem_.k_empty(stage));
     if (Traits::kSeparateOutputSmem && n == 1) release(smem_.q_empty());
     softmax_tile(s, tile, rows, 0, softmax);
@@ -486,16 +408,15 @@ class PrefillConsumer {
       const int previous_stage = ptx::warp_uniform(previous.stage<Traits::kStages>());
       wait_full(smem_.k_full(stage), ring.parity<Traits::kStages>(),
                 key_tile_is_gathered<Traits::kBlockN>(params_, tile, t));
-      load_q();
       scheduler_wait();
-      scores(stage);
+      issue_scores(s, stage);
       if constexpr (!kRescaleLate) rescale_output(o, softmax);
       wait_full(smem_.v_full(previous_stage), previous.parity<Traits::kStages>(),
                 key_tile_is_gathered<Traits::kBlockN>(params_, tile, t - 1));
       issue_pv(o, p, previous_stage);
       scheduler_pass();
       ptx::wgmma_wait_group<1>();  // S_t is done (P_{t-1} V_{t-1} may still run)
-      scores_done();
+      ptx::wgmma_fence_operands(s);
       release(smem_.k_empty(stage));
       if (Traits::kSeparateOutputSmem && t == n - 1) release(smem_.q_empty());
       softmax_tile(s, tile, rows, t, softmax);

@@ -19,22 +19,13 @@ int block_m_of(int bucket) {
 
 }  // namespace
 
-PagedLayout paged_layout(int head_dim, bool paged, int32_t page_size) {
-  static const bool page_v = [] {
+bool page_by_page_v(int head_dim, bool paged, int32_t page_size) {
+  static const bool enabled = [] {
     const char* text = std::getenv("TESSERA_SM90_PAGED_V");
     return text == nullptr || std::string(text) != "0";
   }();
-  // Opt-in until it has run on a GPU: built on 2026-12-06 (fifth session), when no device call
-  // could be made (docs/PERF.md); tools/gpu-check.sh runs the prefill suite and its sanitizer
-  // set with it on.
-  static const bool page_k = [] {
-    const char* text = std::getenv("TESSERA_SM90_PAGED_K");
-    return text != nullptr && std::string(text) == "1";
-  }();
-  if (!paged || head_dim != PrefillTraitsD128Paged::kHeadDim) return PagedLayout::kTiles;
-  if (page_k && page_size == PrefillTraitsD128Page16::kKPageRows) return PagedLayout::kPageKV;
-  if (page_v && page_size < PrefillTraitsD128Paged::kBlockN) return PagedLayout::kPageV;
-  return PagedLayout::kTiles;
+  using Traits = PrefillTraitsD128Paged;
+  return enabled && paged && head_dim == Traits::kHeadDim && page_size < Traits::kBlockN;
 }
 
 WideTiles wide_tiles_mode() {

@@ -75,9 +75,7 @@ template <class Traits, DType kDType, bool kSoftCap>
 const char* prefill_kernel_name() {
   static const std::string name = "tessera::sm90::prefill<d" + std::to_string(Traits::kHeadDim) +
                                   (kDType == DType::kBFloat16 ? ", bf16" : ", fp16") +
-                                  (Traits::kKPageBoxes   ? ", paged K/V"
-                                   : Traits::kVPageBoxes ? ", paged V"
-                                                         : "") +
+                                  (Traits::kVPageBoxes ? ", paged V" : "") +
                                   (kSoftCap ? ", soft_cap>" : ">");
   return name.c_str();
 }
@@ -166,9 +164,8 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
     return text != nullptr && std::string(text) == "gather";
   }();
   if (gather_all) kv_tma = false;
-  // (The page-by-page K/V kernel encodes its own 5-d maps below instead.)
   kv_tma =
-      kv_tma && !Traits::kKPageBoxes &&
+      kv_tma &&
       encode_kv_map<Traits>(&params->k_map, problem, false, box_rows, k_heads_first, &reason) &&
       encode_kv_map<Traits>(&params->v_map, problem, true, box_rows, k_heads_first, &reason);
   params->kv_tma = kv_tma ? 1 : 0;
@@ -191,40 +188,18 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   // the driver accepts. Without that map (or with pages of a whole key tile) V keeps the usual
   // layout, which is the same formula with BLOCK_N rows per page.
   params->v_page_rows = Traits::kBlockN;
-  const auto page_map = [&](CUtensorMap* map, bool values) {
-    const TensorMapDim dims[5] = {
-        {64, 1, 64},
-        {kv.page_size, values ? kv.v_stride_token : kv.k_stride_token,
-         static_cast<uint32_t>(box_rows)},
-        {Traits::kColumnBlocks, 64, static_cast<uint32_t>(Traits::kColumnBlocks)},
-        {problem.num_kv_heads, values ? kv.v_stride_head : kv.k_stride_head, 1},
-        {std::max<int64_t>(values ? kv.v_extent : kv.k_extent, 1),
-         values ? kv.v_stride_page : kv.k_stride_page, 1}};
-    return encode_tensor_map(map, kv.dtype, values ? kv.v : kv.k, dims, 5, &reason,
-                             /*any_stride_order=*/true);
-  };
-  if constexpr (Traits::kKPageBoxes) {
-    // K and V page by page, Q K^T per 16 keys of one page (prefill_consumer.cuh): only pages
-    // of exactly kKPageRows keys (the dispatch picks this kernel for those). The 5-d maps take
-    // K and V in any stride order, so they do not depend on the 4-d conditions above; without
-    // them (or with TESSERA_SM90_KV=gather) every tile is gathered into the same layout.
-    if (!kv.paged || kv.page_size != Traits::kKPageRows || problem.head_dim != Traits::kHeadDim) {
-      *why = "the page-by-page K kernel needs pages of " + std::to_string(Traits::kKPageRows) +
-             " keys and head_dim " + std::to_string(Traits::kHeadDim);
-      return false;
-    }
-    CUtensorMap k_map, v_map;
-    const bool page_tma = !gather_all && page_map(&k_map, false) && page_map(&v_map, true);
-    if (page_tma) {
-      params->k_map = k_map;
-      params->v_map = v_map;
-    }
-    params->kv_tma = page_tma ? 1 : 0;
-    params->v_page_rows = Traits::kKPageRows;
-  } else if constexpr (Traits::kVPageBoxes) {
-    if (kv_tma && kv.paged && box_rows < Traits::kBlockN && problem.head_dim == Traits::kHeadDim) {
+  if constexpr (Traits::kVPageBoxes) {
+    if (kv_tma && kv.paged && box_rows < Traits::kBlockN &&
+        problem.head_dim == Traits::kHeadDim) {
+      const TensorMapDim v_dims[5] = {
+          {64, 1, 64},
+          {kv.page_size, kv.v_stride_token, static_cast<uint32_t>(box_rows)},
+          {Traits::kColumnBlocks, 64, static_cast<uint32_t>(Traits::kColumnBlocks)},
+          {problem.num_kv_heads, kv.v_stride_head, 1},
+          {std::max<int64_t>(kv.v_extent, 1), kv.v_stride_page, 1}};
       CUtensorMap v_map;
-      if (page_map(&v_map, true)) {
+      if (encode_tensor_map(&v_map, kv.dtype, kv.v, v_dims, 5, &reason,
+                            /*any_stride_order=*/true)) {
         params->v_map = v_map;
         params->v_page_rows = box_rows;
       }

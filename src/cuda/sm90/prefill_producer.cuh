@@ -245,10 +245,9 @@ class PrefillProducer {
       const int32_t row_in_page = first_key % kv.page_size;  // 0 unless page_size > BLOCK_N
       const int32_t* table = smem_.page_table(chunk % 2);
       const int32_t table_first = first_key / kv.page_size - chunk_first_page(tile, chunk);
-      // Page-by-page V (Traits::kVPageBoxes) and K (Traits::kKPageBoxes): one box per page
-      // covers every column block.
-      const bool page_boxes = (values ? Traits::kVPageBoxes : Traits::kKPageBoxes) &&
-                              params_.v_page_rows < Traits::kBlockN;
+      // Page-by-page V (Traits::kVPageBoxes): one box per page covers every column block.
+      const bool page_boxes =
+          Traits::kVPageBoxes && values && params_.v_page_rows < Traits::kBlockN;
 #pragma unroll 1
       for (int box = threadIdx.x; box * box_rows < Traits::kBlockN; box += lanes) {
         // Box `box` starts at key first_key + box * box_rows: TMA tiles lie inside the request,
@@ -273,9 +272,9 @@ class PrefillProducer {
     }
     // Gather: thread -> 16-byte chunk (thread % 8) of rows thread / 8 + 16 i, every column
     // block; the chunk lands at its swizzled place (chunk ^ row % 8, ptx/wgmma.cuh). Page-by-page
-    // V (and K) puts row r at page r / R, row r % R of the page, column blocks R rows apart (R =
+    // V puts row r at page r / R, row r % R of the page, column blocks R rows apart (R =
     // v_page_rows; R = BLOCK_N is the usual layout).
-    const bool page_layout = values ? Traits::kVPageBoxes : Traits::kKPageBoxes;
+    const bool page_layout = Traits::kVPageBoxes && values;
     const int32_t layout_rows = page_layout ? params_.v_page_rows : Traits::kBlockN;
     const int32_t layout_shift = page_layout ? params_.v_page_rows_shift : 0;
     const uint32_t block_bytes =

@@ -31,7 +31,7 @@
 namespace tessera::detail::sm90 {
 
 template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_,
-          bool kSeparateOutputSmem_, bool kVPageBoxes_ = false, bool kKPageBoxes_ = false>
+          bool kSeparateOutputSmem_, bool kVPageBoxes_ = false>
 struct PrefillShape {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
@@ -42,10 +42,6 @@ struct PrefillShape {
   // ([page][column block][rows of the page][64], params.v_page_rows rows per page), so that one
   // TMA box copies a page's row across every column block (prefill_producer.cuh).
   static constexpr bool kVPageBoxes = kVPageBoxes_;
-  // K laid out page by page as V (one 5-d box per page of kKPageRows keys), Q K^T as one wgmma
-  // of N = 16 per page with Q's A fragments in registers (read from its buffer per key tile).
-  static constexpr bool kKPageBoxes = kKPageBoxes_;
-  static constexpr int kKPageRows = 16;
   // The per-tile integer work in its short form (prefill_tile.cuh): measured on the
   // H200 +4..12% at 512-token requests for d128 and d256, but -5..7% for d64 at 4k..16k tokens,
   // whose unchanged main loop ptxas then schedules differently (docs/PERF.md, 2026-12-04).
@@ -138,12 +134,6 @@ struct PrefillTraitsD64Wide : PrefillShape<64, 192, 2, 2, true> {};
 // for both column blocks (8 boxes of 4 KiB per V tile at page 16 instead of 16 of 2 KiB; K keeps
 // its per-block boxes, the layout Q K^T reads). Chosen by run() for such caches.
 struct PrefillTraitsD128Paged : PrefillShape<128, 128, 2, 2, true, true> {};
-
-// d128 for paged caches of 16-key pages: K as well as V page by page (8 boxes of 4 KiB per K
-// tile instead of 16 of 2 KiB, the one box shape that TMA delivers below the ragged rate,
-// docs/PERF.md), Q K^T as 8 x 8 wgmma m64n16k16 per key tile, one per page and k-step, with Q's
-// A fragments in registers (from shared memory they would be read 8 times over).
-struct PrefillTraitsD128Page16 : PrefillShape<128, 128, 2, 2, true, true, true> {};
 
 // Named barriers (0 is __syncthreads): the consumers' epilogue barrier, the producer
 // warpgroup's own, and one per consumer warpgroup for the ping-pong schedule.
