@@ -12,6 +12,10 @@
 //   n128-rs-v  8 x m64n128k16, A from registers, B MN-major              (the kernels' P V today)
 // and whole tiles (S, then O += P V with N = head_dim):
 //   tile-n128  n128-ss + n128-rs-v          tile-n16rs  n16-rs + n128-rs-v
+// Every product accumulates onto the previous iteration's (scale-d 1, accumulators zeroed once):
+// a product that started from zero would leave the previous iteration's results dead, and
+// ptxas drops such wgmma (it did, unrolling by two: the first version reported S at 1791
+// TFLOP/s, twice what ran, docs/PERF.md 2026-12-06 sixth).
 // Operands are a fixed bf16 pattern (the rate, not the values, is measured). Prints TFLOP/s of
 // the whole GPU and the ratio to the kernels' form.
 // Build (sm_90a) and run on an H100/H200:
@@ -86,7 +90,7 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
 #pragma unroll
       for (int step = 0; step < 8; ++step) {
         ptx::Wgmma<128, DType::kBFloat16>::ss(s, step_descriptor(q, q_block, step),
-                                              step_descriptor(k, kBlockBytes, step), step > 0);
+                                              step_descriptor(k, kBlockBytes, step), 1);
       }
     } else if constexpr (kMode == Mode::kN64Ss) {
 #pragma unroll
@@ -95,7 +99,7 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
         for (int half = 0; half < 2; ++half) {
           ptx::Wgmma<64, DType::kBFloat16>::ss(
               reinterpret_cast<float(&)[32]>(s[32 * half]), step_descriptor(q, q_block, step),
-              step_descriptor(k, kBlockBytes, step, 64u * 128u * half), step > 0);
+              step_descriptor(k, kBlockBytes, step, 64u * 128u * half), 1);
         }
       }
     } else if constexpr (kMode == Mode::kN16Ss) {
@@ -105,7 +109,7 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
         for (int page = 0; page < 8; ++page) {
           ptx::Wgmma<16, DType::kBFloat16>::ss(
               s16[page], step_descriptor(q, q_block, step),
-              step_descriptor(k, kBlockBytes, step, 16u * 128u * page), step > 0);
+              step_descriptor(k, kBlockBytes, step, 16u * 128u * page), 1);
         }
       }
     } else if constexpr (kMode == Mode::kN16Rs || kMode == Mode::kTileN16Rs) {
@@ -115,7 +119,7 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
         for (int step = 0; step < 8; ++step) {
           ptx::Wgmma<16, DType::kBFloat16>::rs(
               s16[page], a[step], step_descriptor(k, kBlockBytes, step, 16u * 128u * page),
-              step > 0);
+              1);
         }
       }
     }
