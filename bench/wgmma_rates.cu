@@ -1,7 +1,8 @@
 // Micro-benchmark of the tensor-core rate of the GEMM shapes a d128 key tile of 128 keys can be
-// computed with, for the question docs/PERF.md leaves open for 16-key pages: can S = Q K^T run
-// as one wgmma of N = 16 per page (each page's K rows a TMA box of its own, 8 boxes per tile
-// instead of 16) without losing the tensor rate of the N = 128 form the kernels use today?
+// computed with. Written for 16-key pages: can S = Q K^T run as one wgmma of N = 16 per page
+// (each page's K rows a TMA box of its own, 8 boxes per tile instead of 16) at the tensor rate
+// of the N = 128 form the kernels use? (No: 0.64 of it, 0.77 for a whole tile, on the H200;
+// docs/PERF.md, 2026-12-06 sixth, where that kernel was timed and removed.)
 //
 // Two warpgroups per CTA (the consumers' count), one CTA per SM, each warpgroup computing
 // 64 x 128 x 128 products (one S tile: 8 k-steps of 16 over the head dim) back to back:
