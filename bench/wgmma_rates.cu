@@ -53,6 +53,28 @@ __device__ __forceinline__ uint64_t step_descriptor(uint32_t base, uint32_t bloc
   return ptx::wgmma_descriptor_sw128(address, 16, 1024);
 }
 
+// The 64 x kN slice `part` of an S accumulator of 128 keys (kN / 2 registers per thread).
+template <int kN>
+__device__ __forceinline__ float (&s_part(float (&s)[64], int part))[kN / 2] {
+  return reinterpret_cast<float(&)[kN / 2]>(s[kN / 2 * part]);
+}
+
+// S = Q K^T of one key tile as 128 / kN products of N = kN per k-step, Q and K from shared
+// memory (kN = 128: the kernels' form; 64 and 16: K page by page at pages of 64 and 16 keys).
+template <int kN>
+__device__ __forceinline__ void scores_ss(float (&s)[64], uint32_t q, uint32_t q_block,
+                                          uint32_t k) {
+#pragma unroll
+  for (int step = 0; step < 8; ++step) {
+#pragma unroll
+    for (int part = 0; part < kKeys / kN; ++part) {
+      ptx::Wgmma<kN, DType::kBFloat16>::ss(s_part<kN>(s, part), step_descriptor(q, q_block, step),
+                                           step_descriptor(k, kBlockBytes, step, kN * 128u * part),
+                                           1);
+    }
+  }
+}
+
 template <Mode kMode>
 __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink) {
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -70,11 +92,10 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
   const uint32_t v = k + kKBytes;
   const uint32_t q_block = kRows * 128;
   float s[64];
-  float s16[8][8];  // the n16 forms' accumulators, one per page
   float o[64];
   uint32_t a[8][4];  // Q (or P) as A fragments, one per k-step
 #pragma unroll
-  for (int i = 0; i < 64; ++i) s[i] = o[i] = s16[i / 8][i % 8] = 0.0f;
+  for (int i = 0; i < 64; ++i) s[i] = o[i] = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -88,39 +109,20 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
   for (int it = 0; it < iterations; ++it) {
     ptx::wgmma_fence();
     if constexpr (kMode == Mode::kN128Ss || kMode == Mode::kTileN128) {
-#pragma unroll
-      for (int step = 0; step < 8; ++step) {
-        ptx::Wgmma<128, DType::kBFloat16>::ss(s, step_descriptor(q, q_block, step),
-                                              step_descriptor(k, kBlockBytes, step), 1);
-      }
+      scores_ss<128>(s, q, q_block, k);
     } else if constexpr (kMode == Mode::kN64Ss) {
-#pragma unroll
-      for (int step = 0; step < 8; ++step) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          ptx::Wgmma<64, DType::kBFloat16>::ss(
-              reinterpret_cast<float(&)[32]>(s[32 * half]), step_descriptor(q, q_block, step),
-              step_descriptor(k, kBlockBytes, step, 64u * 128u * half), 1);
-        }
-      }
+      scores_ss<64>(s, q, q_block, k);
     } else if constexpr (kMode == Mode::kN16Ss) {
-#pragma unroll
-      for (int step = 0; step < 8; ++step) {
-#pragma unroll
-        for (int page = 0; page < 8; ++page) {
-          ptx::Wgmma<16, DType::kBFloat16>::ss(
-              s16[page], step_descriptor(q, q_block, step),
-              step_descriptor(k, kBlockBytes, step, 16u * 128u * page), 1);
-        }
-      }
+      scores_ss<16>(s, q, q_block, k);
     } else if constexpr (kMode == Mode::kN16Rs || kMode == Mode::kTileN16Rs) {
+      // One page's 16 keys at a time, all 8 k-steps, Q from registers.
 #pragma unroll
       for (int page = 0; page < 8; ++page) {
 #pragma unroll
         for (int step = 0; step < 8; ++step) {
           ptx::Wgmma<16, DType::kBFloat16>::rs(
-              s16[page], a[step], step_descriptor(k, kBlockBytes, step, 16u * 128u * page),
-              1);
+              s_part<16>(s, page), a[step],
+              step_descriptor(k, kBlockBytes, step, 16u * 128u * page), 1);
         }
       }
     }
@@ -139,12 +141,10 @@ __global__ void __launch_bounds__(256, 1) gemm_rates(int iterations, float* sink
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(s);
     ptx::wgmma_fence_operands(o);
-#pragma unroll
-    for (int page = 0; page < 8; ++page) ptx::wgmma_fence_operands(s16[page]);
   }
   float total = 0;
 #pragma unroll
-  for (int i = 0; i < 64; ++i) total += s[i] + o[i] + s16[i / 8][i % 8];
+  for (int i = 0; i < 64; ++i) total += s[i] + o[i];
   if (total == 12345.0f) sink[threadIdx.x] = total;  // keeps the accumulators live
 }
 

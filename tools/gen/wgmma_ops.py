@@ -8,8 +8,12 @@ out. Run it after changing SHAPES:  python3 tools/gen/wgmma_ops.py
 import pathlib
 
 # N of m64nNk16: BLOCK_N of Q K^T (176: d128 wide tiles, 192: d64 wide tiles), head_dim of P V,
-# and 16 (Q K^T per 16 keys of a page-laid-out K tile).
+# and 16 (Q K^T per 16-key page, timed in bench/wgmma_rates.cu).
 SHAPES = (16, 64, 128, 176, 192, 256)
+# The register-A forms each N is used in: P V (B MN-major) at every head_dim; Q K^T with Q in
+# registers (B K-major) only at N = 16, in the benchmark. Every N has the shared-memory form.
+REGISTER_A_FORMS = {16: ("rs",)}
+DEFAULT_REGISTER_A_FORMS = ("rs_b_mn_major",)
 DTYPES = (("kFloat16", "f16"), ("kBFloat16", "bf16"))
 
 
@@ -59,17 +63,18 @@ def wrapper(n, dtype_enum, ptx_type):
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
   }}"""
 
-    rs = register_a("rs_b_mn_major", 1, "MN-major (imm-trans-b = 1:\n"
-                    "  // B is stored [k][n], n contiguous, which is how V tiles sit in shared memory)")
-    rs_k = register_a("rs", 0, "K-major (imm-trans-b = 0:\n"
-                      "  // B stored [n][k], as K tiles are)")
+    forms = {
+        "rs_b_mn_major": register_a("rs_b_mn_major", 1, "MN-major (imm-trans-b = 1:\n"
+                                    "  // B is stored [k][n], n contiguous, which is how V tiles "
+                                    "sit in shared memory)"),
+        "rs": register_a("rs", 0, "K-major (imm-trans-b = 0:\n"
+                         "  // B stored [n][k], as K tiles are)"),
+    }
+    members = "\n\n".join([ss] + [forms[name] for name in
+                                    REGISTER_A_FORMS.get(n, DEFAULT_REGISTER_A_FORMS)])
     return f"""template <>
 struct Wgmma<{n}, DType::{dtype_enum}> {{
-{ss}
-
-{rs}
-
-{rs_k}
+{members}
 }};
 """
 
