@@ -6,8 +6,11 @@ writes with TESSERA_NCU_SOURCE=1 (`ncu --import R --page source --csv --print-so
 
 Prints the instructions with the most warp-stall samples (share of all samples, address, SASS)
 and the samples per opcode (the mnemonic before the first '.', e.g. SYNCS for mbarrier waits,
-BAR for named barriers, HGMMA, WARPGROUP for wgmma waits), so that a device call can return a
-few lines instead of the whole table. Columns are found by name: the sampling column is the
+BAR for named barriers, HGMMA, WARPGROUP for wgmma waits), and the samples per wait target: an
+mbarrier poll loop (a SYNCS...TRYWAIT and the branch that retries it) is named by the barrier's
+shared-memory offset, and an instruction whose samples are mostly barrier stalls by the named
+barrier (BAR.SYNC) before it - so that a device call can return a few lines instead of the whole
+table. Columns are found by name: the sampling column is the
 first whose header contains "Warp Stall Sampling (All", the instruction the one named "Source".
 """
 
@@ -48,6 +51,7 @@ def read_rows(path):
     address = find_column(header, "Address")
     samples = find_column(header, "Warp Stall Sampling (All")
     not_issued = find_column(header, "Warp Stall Sampling (Not")
+    barrier = find_column(header, "stall_barrier")
     if samples < 0:
         raise SystemExit(f"{path}: no 'Warp Stall Sampling (All Samples)' column in {header}")
     rows = []
@@ -55,8 +59,31 @@ def read_rows(path):
         if len(row) <= max(source, samples):
             continue
         rows.append((row[address] if address >= 0 else "", row[source].strip(),
-                     number(row[samples]), number(row[not_issued]) if not_issued >= 0 else 0.0))
+                     number(row[samples]), number(row[not_issued]) if not_issued >= 0 else 0.0,
+                     number(row[barrier]) if barrier >= 0 else 0.0))
     return rows
+
+
+def wait_target(rows, index):
+    """What instruction `index` waits on: 'mbarrier +OFFSET' for a TRYWAIT poll or the branch
+    that retries it, 'BAR.SYNC ID' for an instruction held mostly by a named barrier, else None."""
+    instruction = rows[index][1]
+    poll = re.search(r"TRYWAIT (U?P\d+), \[[^\]]*?(0x[0-9a-f]+)\]", instruction)
+    if poll:
+        return f"mbarrier +{poll.group(2)}"
+    branch = re.match(r"@!?(U?P\d+)\s+BRA\b", instruction)
+    if branch:
+        for earlier in range(index - 1, max(index - 64, -1), -1):
+            poll = re.search(r"TRYWAIT " + branch.group(1) + r", \[[^\]]*?(0x[0-9a-f]+)\]",
+                             rows[earlier][1])
+            if poll:
+                return f"mbarrier +{poll.group(1)}"
+    if rows[index][4] > 0.5 * rows[index][2]:
+        for earlier in range(index - 1, max(index - 8, -1), -1):
+            named = re.search(r"BAR\.SYNC\S*\s+([^;]+)", rows[earlier][1])
+            if named:
+                return "BAR.SYNC " + named.group(1).strip()
+    return None
 
 
 def opcode(instruction):
@@ -78,15 +105,23 @@ def main():
     print(f"{args.csv}: {len(rows)} instructions, {total:.0f} samples "
           f"({sum(row[3] for row in rows) / total:.0%} not issued)")
     print(f"{'share':>6} {'not-iss':>7}  address  instruction")
-    for address, instruction, all_samples, not_issued in sorted(rows, key=lambda r: -r[2])[
+    for address, instruction, all_samples, not_issued, _ in sorted(rows, key=lambda r: -r[2])[
             :args.top]:
         print(f"{all_samples / total:6.1%} {not_issued / total:7.1%}  {address:>7}  "
               f"{instruction[:90]}")
     by_opcode = Counter()
-    for _, instruction, all_samples, _ in rows:
+    by_wait = Counter()
+    for index, (_, instruction, all_samples, _, _) in enumerate(rows):
         by_opcode[opcode(instruction)] += all_samples
+        target = wait_target(rows, index) if all_samples > 0 else None
+        if target:
+            by_wait[target] += all_samples
     print("by opcode: " + ", ".join(f"{name} {value / total:.1%}"
                                     for name, value in by_opcode.most_common(12)))
+    # mbarrier offsets: PrefillSmem's q_full, q_empty, then k_full, k_empty, v_full, v_empty per
+    # stage, 8 bytes each from Traits::kBarrierOffset (prefill_producer.cuh).
+    print("by wait target: " + ", ".join(f"{name} {value / total:.1%}"
+                                         for name, value in by_wait.most_common(12)))
     return 0
 
 
