@@ -4,7 +4,8 @@
 // Per key tile t (ring slot s = count % kStages, use u = count / kStages):
 //   every producer thread waits until slot s is free (empty barrier, parity of use u - 1);
 //   TMA tile:    thread 0 announces the bytes (arrive.expect_tx) and issues the copies (paged:
-//                the lanes of warp 0 share the per-page boxes and arrive after issuing them),
+//                the lanes of warp 0 share the per-page boxes and arrive after issuing them; built
+//                with TESSERA_SM90_BOX_WARPS, the boxes are spread over that many warps),
 //                the other threads arrive plainly - the full barrier counts 128 arrivals;
 //   gathered:    all 128 threads issue cp.async (zero-filling keys past the request), then
 //                cp.async.mbarrier.arrive.noinc - one arrival each when their copies land.
@@ -107,6 +108,15 @@ class PrefillProducer {
   }
 
  private:
+  // Producer warps that issue a paged tile's TMA boxes (load_page_boxes_spread); 1, the default,
+  // keeps them all on warp 0.
+#ifdef TESSERA_SM90_BOX_WARPS
+  static constexpr int kBoxWarps = TESSERA_SM90_BOX_WARPS;
+#else
+  static constexpr int kBoxWarps = 1;
+#endif
+  static_assert(kBoxWarps >= 1 && kBoxWarps <= Traits::kProducerThreads / 32,
+                "box-issuing warps: 1 .. the producer warpgroup's 4");
   // Key tiles per page-table chunk (one slot of the double-buffered table).
   static constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
   static_assert(kChunkTiles >= 2, "a chunk's table is published a tile before its first use");
@@ -225,6 +235,10 @@ class PrefillProducer {
         }
         return;
       }
+      if constexpr (kBoxWarps > 1) {
+        load_page_boxes_spread(tile, first_key, chunk, values, map, dst, full);
+        return;
+      }
       // Paged: one box per page (or per key tile when pages are larger), issued by the first
       // kv_box_lanes lanes of warp 0 in parallel - lane l issues boxes l, l + lanes, ... -
       // instead of one thread issuing them all in sequence (with 16-key pages a d128 K tile is
@@ -317,6 +331,58 @@ class PrefillProducer {
       }
     }
     ptx::cp_async_mbarrier_arrive_noinc(full);
+  }
+
+  // Paged TMA tile with its boxes spread over the first kBoxWarps producer warps (compile-time
+  // TESSERA_SM90_BOX_WARPS, off by default; docs/PERF.md, 2026-12-07): box b (one page, or the
+  // whole tile when pages are larger) is issued by lane b / kBoxWarps of warp b % kBoxWarps.
+  // Within a warp, lanes with different coordinates issue one after another (ptxas loops over
+  // them: elect, R2UR of each coordinate, UTMALDG), about 100 cycles a box, so warp 0 alone
+  // spends about 1 us on a page-16 K tile; warps issue side by side. Each issuing warp's lane 0
+  // announces the bytes of that warp's boxes (arrive.expect_tx) before any lane of the warp
+  // issues one (__syncwarp), and the other issuing lanes arrive after issuing theirs, so the
+  // phase cannot complete before every box has been issued and has landed; every other producer
+  // thread arrives at once (the full barrier counts kProducerThreads arrivals). Each lane issues
+  // one box, so TESSERA_SM90_BOX_LANES (kv_box_lanes) has no effect here.
+  __device__ __forceinline__ void load_page_boxes_spread(const PrefillTile& tile, int32_t first_key,
+                                                         int chunk, bool values,
+                                                         const CUtensorMap* map, uint32_t dst,
+                                                         uint32_t full) const {
+    const KVSource& kv = problem_.kv;
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    const int32_t box_rows = params_.kv_box_rows;
+    const int boxes = Traits::kBlockN / box_rows;  // <= kBlockN / 8: pages of 8 keys or more
+    const int mine = warp < kBoxWarps && warp < boxes ? (boxes - 1 - warp) / kBoxWarps + 1 : 0;
+    if (lane >= mine) {
+      ptx::mbarrier_arrive(full);
+      return;
+    }
+    constexpr uint32_t kBoxBytesPerRow = Traits::kColumnBlocks * Traits::kRowBytes;
+    if (lane == 0) {
+      ptx::mbarrier_arrive_expect_tx(full,
+                                     static_cast<uint32_t>(mine * box_rows) * kBoxBytesPerRow);
+    }
+    __syncwarp((1u << mine) - 1u);
+    const int box = warp + kBoxWarps * lane;
+    const int32_t heads_first = params_.kv_heads_first;
+    const int32_t row_in_page = first_key % kv.page_size;  // 0 unless page_size > BLOCK_N
+    const int32_t* table = smem_.page_table(chunk % 2);
+    const int32_t table_first = first_key / kv.page_size - chunk_first_page(tile, chunk);
+    const int32_t page = table[table_first + box * box_rows / kv.page_size];
+    if (Traits::kVPageBoxes && values && params_.v_page_rows < Traits::kBlockN) {
+      ptx::tma_load_5d(dst + static_cast<uint32_t>(box * box_rows) * kBoxBytesPerRow, map, full, 0,
+                       row_in_page, 0, tile.kv_head, page);
+    } else {
+#pragma unroll
+      for (int block = 0; block < Traits::kColumnBlocks; ++block) {
+        ptx::tma_load_4d(dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes) +
+                             static_cast<uint32_t>(box * box_rows) * Traits::kRowBytes,
+                         map, full, block * 64, heads_first ? tile.kv_head : row_in_page,
+                         heads_first ? row_in_page : tile.kv_head, page);
+      }
+    }
+    if (lane != 0) ptx::mbarrier_arrive(full);
   }
 
   const PrefillParams& params_;
