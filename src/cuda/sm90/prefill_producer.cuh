@@ -343,7 +343,9 @@ class PrefillProducer {
   // issues one (__syncwarp), and the other issuing lanes arrive after issuing theirs, so the
   // phase cannot complete before every box has been issued and has landed; every other producer
   // thread arrives at once (the full barrier counts kProducerThreads arrivals). Each lane issues
-  // one box, so TESSERA_SM90_BOX_LANES (kv_box_lanes) has no effect here.
+  // one box, so TESSERA_SM90_BOX_LANES (kv_box_lanes) has no effect here. The box issue repeats
+  // load_key_tile's loop body: a helper shared by both changes how ptxas schedules the default
+  // kernels (checked on the build host), which needs a device run before it lands.
   __device__ __forceinline__ void load_page_boxes_spread(const PrefillTile& tile, int32_t first_key,
                                                          int chunk, bool values,
                                                          const CUtensorMap* map, uint32_t dst,
