@@ -17,6 +17,8 @@
 #   2. ROUNDS (default 2) x (variants, old; reversed in even rounds) of `tessera bench --quiet
 #      --filter AB_FILTER`
 #      (default "prefill"), then as many with TESSERA_SM90_WIDE=1 on AB_WIDE_FILTER if set;
+#   2b. with AB_NCU=FILTER, ncu's per-instruction stall samples of that case for each variant,
+#      summarised by tools/ncu-stalls.py (AB_NCU_KERNEL: the kernel regex, default prefill_kernel);
 #   3. memcheck, racecheck and synccheck of test_cuda_prefill's *Sanitizer* set on TESTED, by
 #      default and with TESSERA_SM90_WIDE=1 (AB_SKIP_SANITIZER=1 skips them).
 # Summarise with `python3 tools/ab-table.py OUT_DIR/ab.log` (each variant's mean and % vs old).
@@ -82,6 +84,25 @@ if [ -n "${AB_WIDE_FILTER:-}" ]; then
   done
 fi
 
+# 2b. Optional (AB_NCU=FILTER): one launch of that bench case per variant under ncu with warp-stall
+#     sampling per instruction, summarised by tools/ncu-stalls.py into the log (where each
+#     variant's warps wait: "by wait target").
+if [ -n "${AB_NCU:-}" ]; then
+  index=0
+  for v in "$@" old; do
+    index=$((index + 1))
+    echo "=== [$v] ncu '$AB_NCU'" >>"$log"
+    report=$(mktemp -d)/ab-ncu
+    env LD_LIBRARY_PATH="$libs/$v" $(setting "$v") timeout 300 ncu --clock-control none \
+      --kernel-name "regex:${AB_NCU_KERNEL:-prefill_kernel}" --launch-skip 3 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --import-source no --export "$report" \
+      --force-overwrite "$build/tessera" bench --quiet --filter "$AB_NCU" >>"$log" 2>&1
+    ncu --import "$report.ncu-rep" --page source --csv --print-source sass >"$report.csv" \
+      2>>"$log" && python3 "$(dirname "$0")/ncu-stalls.py" "$report.csv" --top 8 >>"$log" 2>&1
+    rm -rf "$(dirname "$report")"
+  done
+fi
+
 if [ "${AB_SKIP_SANITIZER:-0}" != 1 ]; then
   for wide in 0 1; do
     for tool in memcheck racecheck synccheck; do
@@ -95,4 +116,4 @@ if [ "${AB_SKIP_SANITIZER:-0}" != 1 ]; then
   done
 fi
 rm -rf "$libs"
-grep -E "^(===|exit)|FAILED|ERROR SUMMARY" "$log" | grep -v " bench round "
+grep -E "^(===|exit|by wait target)|FAILED|ERROR SUMMARY" "$log" | grep -v " bench round "
