@@ -92,14 +92,9 @@ if [ -n "${AB_NCU:-}" ]; then
   for v in "$@" old; do
     index=$((index + 1))
     echo "=== [$v] ncu '$AB_NCU'" >>"$log"
-    report=$(mktemp -d)/ab-ncu
-    env LD_LIBRARY_PATH="$libs/$v" $(setting "$v") timeout 300 ncu --clock-control none \
-      --kernel-name "regex:${AB_NCU_KERNEL:-prefill_kernel}" --launch-skip 3 --launch-count 1 \
-      --section SourceCounters --section WarpStateStats --import-source no --export "$report" \
-      --force-overwrite "$build/tessera" bench --quiet --filter "$AB_NCU" >>"$log" 2>&1
-    ncu --import "$report.ncu-rep" --page source --csv --print-source sass >"$report.csv" \
-      2>>"$log" && python3 "$(dirname "$0")/ncu-stalls.py" "$report.csv" --top 8 >>"$log" 2>&1
-    rm -rf "$(dirname "$report")"
+    env LD_LIBRARY_PATH="$libs/$v" $(setting "$v") NCU_TIMEOUT=300 \
+      "$(dirname "$0")/ncu-source.sh" "$libs/ncu-$index.csv" "$build/tessera" "$AB_NCU" \
+      "${AB_NCU_KERNEL:-prefill_kernel}" 8 >>"$log" 2>&1
   done
 fi
 

@@ -208,23 +208,14 @@ if [ -n "${TESSERA_NCU:-}" ]; then
       --section WarpStateStats --section SchedulerStats --section InstructionStats \
       --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
       "$build/tessera" bench --quiet --filter "$ncu_filter" >>"$out/ncu.log" 2>&1 || status=1
-    # TESSERA_NCU_SOURCE=1: the same launch with warp-stall sampling per SASS instruction
-    # (SourceCounters), printed as CSV into ncu-source-N.csv (which instruction the warps wait
-    # at) and summarised into ncu.log by tools/ncu-stalls.py.
+    # TESSERA_NCU_SOURCE=1: the same launch with warp-stall sampling per SASS instruction, as
+    # CSV in ncu-source-N.csv, and where the warps wait (tools/ncu-stalls.py) in ncu.log.
     if [ "${TESSERA_NCU_SOURCE:-0}" = 1 ]; then
-      timeout 600 ncu --clock-control none --kernel-name "regex:$ncu_kernel" \
-        --launch-skip 3 --launch-count 1 --section SourceCounters --section WarpStateStats \
-        --import-source no --export "$out/ncu-source" --force-overwrite \
-        "$build/tessera" bench --quiet --filter "$ncu_filter" >>"$out/ncu.log" 2>&1 || status=1
-      ncu --import "$out/ncu-source.ncu-rep" --page source --csv --print-source sass \
-        >"$out/ncu-source-$case_index.csv" 2>>"$out/ncu.log" || status=1
-      rm -f "$out/ncu-source.ncu-rep"
-      # Where the warps wait, in ncu.log: the top instructions and the samples per opcode.
-      python3 "$root/tools/ncu-stalls.py" "$out/ncu-source-$case_index.csv" --top 30 \
-        >>"$out/ncu.log" 2>&1 || status=1
+      "$root/tools/ncu-source.sh" "$out/ncu-source-$case_index.csv" "$build/tessera" \
+        "$ncu_filter" "$ncu_kernel" >>"$out/ncu.log" 2>&1 || status=1
     fi
   done
-  grep -E "^=== ncu|by opcode|samples \(|Duration|Throughput|Pipe|Issued|Stall|Warp Cycles|Eligible|Registers|Achieved" \
+  grep -E "^=== ncu|by opcode|by wait target|samples \(|Duration|Throughput|Pipe|Issued|Stall|Warp Cycles|Eligible|Registers|Achieved" \
     "$out/ncu.log" | head -120
 fi
 
