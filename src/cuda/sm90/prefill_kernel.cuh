@@ -172,12 +172,6 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   params->kv_heads_first = k_heads_first ? 1 : 0;
   params->kv_box_rows = kv.paged ? box_rows : 0;
   params->page_shift = kv.paged ? shift_of(kv.page_size) : -1;
-  static const int32_t box_lanes = [] {
-    const char* text = std::getenv("TESSERA_SM90_BOX_LANES");
-    const long lanes = text != nullptr ? std::strtol(text, nullptr, 10) : 32;
-    return static_cast<int32_t>(lanes >= 1 && lanes <= 32 ? lanes : 32);
-  }();
-  params->kv_box_lanes = box_lanes;
   // K one tile ahead of V (the consumers' order). TESSERA_SM90_K_AHEAD=0 restores K(t), V(t)
   // to time the two side by side (docs/PERF.md, 2026-12-03 night: page 64 0.89x -> 0.93x of
   // ragged, page 16 and ragged unchanged).

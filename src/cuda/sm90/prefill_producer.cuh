@@ -4,9 +4,10 @@
 // Per key tile t (ring slot s = count % kStages, use u = count / kStages):
 //   every producer thread waits until slot s is free (empty barrier, parity of use u - 1);
 //   TMA tile:    thread 0 announces the bytes (arrive.expect_tx) and issues the copies (paged:
-//                the lanes of warp 0 share the per-page boxes and arrive after issuing them; built
-//                with TESSERA_SM90_BOX_WARPS, the boxes are spread over that many warps),
-//                the other threads arrive plainly - the full barrier counts 128 arrivals;
+//                the per-page boxes are spread over the producer's four warps, whose issuing
+//                lanes announce their own bytes and arrive after issuing; built with
+//                -DTESSERA_SM90_BOX_WARPS=1, the lanes of warp 0 share them), the other
+//                threads arrive plainly - the full barrier counts 128 arrivals;
 //   gathered:    all 128 threads issue cp.async (zero-filling keys past the request), then
 //                cp.async.mbarrier.arrive.noinc - one arrival each when their copies land.
 // K of tile 0 goes out before Q (it does not wait for the previous tile's consumers), then Q
@@ -108,15 +109,20 @@ class PrefillProducer {
   }
 
  private:
-  // Producer warps that issue a paged tile's TMA boxes (load_page_boxes_spread); 1, the default,
-  // keeps them all on warp 0.
+  // Producer warps that issue a paged tile's TMA boxes (load_page_boxes): all four by
+  // default (page 16: +19% over one warp, page 64: -0.5..1%, H100, docs/PERF.md 2026-12-07);
+  // -DTESSERA_SM90_BOX_WARPS=1 keeps them on the lanes of warp 0, to time the two side by side.
 #ifdef TESSERA_SM90_BOX_WARPS
   static constexpr int kBoxWarps = TESSERA_SM90_BOX_WARPS;
 #else
-  static constexpr int kBoxWarps = 1;
+  static constexpr int kBoxWarps = 4;
 #endif
   static_assert(kBoxWarps >= 1 && kBoxWarps <= Traits::kProducerThreads / 32,
                 "box-issuing warps: 1 .. the producer warpgroup's 4");
+  // Pages of 8 keys or more: a key tile has at most kBlockN / 8 boxes, one per issuing lane
+  // (fewer than 32 a warp, so the __syncwarp mask of load_page_boxes is well formed).
+  static_assert((Traits::kBlockN / 8 + kBoxWarps - 1) / kBoxWarps < 32,
+                "more boxes than issuing lanes");
   // Key tiles per page-table chunk (one slot of the double-buffered table).
   static constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
   static_assert(kChunkTiles >= 2, "a chunk's table is published a tile before its first use");
@@ -235,53 +241,8 @@ class PrefillProducer {
         }
         return;
       }
-      if constexpr (kBoxWarps > 1) {
-        load_page_boxes_spread(tile, first_key, chunk, values, map, dst, full);
-        return;
-      }
-      // Paged: one box per page (or per key tile when pages are larger), issued by the first
-      // kv_box_lanes lanes of warp 0 in parallel - lane l issues boxes l, l + lanes, ... -
-      // instead of one thread issuing them all in sequence (with 16-key pages a d128 K tile is
-      // 8 boxes x 2 column blocks).
-      // Thread 0 announces the whole tile's bytes before any lane issues a box (__syncwarp), and
-      // each lane arrives only after issuing its boxes: the phase cannot complete before every
-      // box has been issued and has landed.
-      const int lanes = params_.kv_box_lanes;
-      if (static_cast<int>(threadIdx.x) >= lanes) {
-        ptx::mbarrier_arrive(full);
-        return;
-      }
-      if (threadIdx.x == 0) {
-        ptx::mbarrier_arrive_expect_tx(full, static_cast<uint32_t>(Traits::kKVStageBytes));
-      }
-      __syncwarp(lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u);
-      const int32_t box_rows = params_.kv_box_rows;
-      const int32_t row_in_page = first_key % kv.page_size;  // 0 unless page_size > BLOCK_N
-      const int32_t* table = smem_.page_table(chunk % 2);
-      const int32_t table_first = first_key / kv.page_size - chunk_first_page(tile, chunk);
-      // Page-by-page V (Traits::kVPageBoxes): one box per page covers every column block.
-      const bool page_boxes =
-          Traits::kVPageBoxes && values && params_.v_page_rows < Traits::kBlockN;
-#pragma unroll 1
-      for (int box = threadIdx.x; box * box_rows < Traits::kBlockN; box += lanes) {
-        // Box `box` starts at key first_key + box * box_rows: TMA tiles lie inside the request,
-        // and box_rows is a whole number of pages when pages are smaller than a key tile.
-        const int32_t page = table[table_first + box * box_rows / kv.page_size];
-        if (page_boxes) {
-          ptx::tma_load_5d(dst + box * box_rows * static_cast<uint32_t>(Traits::kColumnBlocks *
-                                                                         Traits::kRowBytes),
-                           map, full, 0, row_in_page, 0, tile.kv_head, page);
-          continue;
-        }
-#pragma unroll
-        for (int block = 0; block < Traits::kColumnBlocks; ++block) {
-          ptx::tma_load_4d(dst + block * static_cast<uint32_t>(Traits::kKVBlockBytes) +
-                               box * box_rows * static_cast<uint32_t>(Traits::kRowBytes),
-                           map, full, block * 64, heads_first ? tile.kv_head : row_in_page,
-                           heads_first ? row_in_page : tile.kv_head, page);
-        }
-      }
-      if (threadIdx.x != 0) ptx::mbarrier_arrive(full);
+      // Paged: one box per page (or per key tile when pages are larger), spread over warps.
+      load_page_boxes(tile, first_key, chunk, values, map, dst, full);
       return;
     }
     // Gather: thread -> 16-byte chunk (thread % 8) of rows thread / 8 + 16 i, every column
@@ -333,23 +294,21 @@ class PrefillProducer {
     ptx::cp_async_mbarrier_arrive_noinc(full);
   }
 
-  // Paged TMA tile with its boxes spread over the first kBoxWarps producer warps (compile-time
-  // TESSERA_SM90_BOX_WARPS, off by default; docs/PERF.md, 2026-12-07): box b (one page, or the
-  // whole tile when pages are larger) is issued by lane b / kBoxWarps of warp b % kBoxWarps.
-  // Within a warp, lanes with different coordinates issue one after another (ptxas loops over
-  // them: elect, R2UR of each coordinate, UTMALDG), about 100 cycles a box, so warp 0 alone
-  // spends about 1 us on a page-16 K tile; warps issue side by side. Each issuing warp's lane 0
-  // announces the bytes of that warp's boxes (arrive.expect_tx) before any lane of the warp
-  // issues one (__syncwarp), and the other issuing lanes arrive after issuing theirs, so the
-  // phase cannot complete before every box has been issued and has landed; every other producer
-  // thread arrives at once (the full barrier counts kProducerThreads arrivals). Each lane issues
-  // one box, so TESSERA_SM90_BOX_LANES (kv_box_lanes) has no effect here. The box issue repeats
-  // load_key_tile's loop body: a helper shared by both changes how ptxas schedules the default
-  // kernels (checked on the build host), which needs a device run before it lands.
-  __device__ __forceinline__ void load_page_boxes_spread(const PrefillTile& tile, int32_t first_key,
-                                                         int chunk, bool values,
-                                                         const CUtensorMap* map, uint32_t dst,
-                                                         uint32_t full) const {
+  // Paged TMA tile: its boxes (one page each, or the whole tile when pages are larger) spread
+  // over the first kBoxWarps producer warps; box b is issued by lane b / kBoxWarps of warp
+  // b % kBoxWarps (with 16-key pages a d128 K tile is 8 boxes x 2 column blocks). Within a
+  // warp, lanes with different coordinates issue one after another (ptxas loops over them:
+  // elect, R2UR of each coordinate, UTMALDG), about 100 cycles a box, so warp 0 alone spent
+  // about 1 us on a page-16 K tile; warps issue side by side (docs/PERF.md, 2026-12-07). Each
+  // issuing warp's lane 0 announces the bytes of that warp's boxes (arrive.expect_tx) before
+  // any lane of the warp issues one (__syncwarp), and the other issuing lanes arrive after
+  // issuing theirs, so the phase cannot complete before every box has been issued and has
+  // landed; every other producer thread arrives at once (the full barrier counts
+  // kProducerThreads arrivals).
+  __device__ __forceinline__ void load_page_boxes(const PrefillTile& tile, int32_t first_key,
+                                                  int chunk, bool values,
+                                                  const CUtensorMap* map, uint32_t dst,
+                                                  uint32_t full) const {
     const KVSource& kv = problem_.kv;
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;

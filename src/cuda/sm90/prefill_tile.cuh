@@ -30,9 +30,6 @@ struct alignas(128) PrefillParams {
   // Paged K/V with kv_tma: rows of one box, min(page_size, BLOCK_N) (page_size is a multiple of
   // 8 that divides or is divided by BLOCK_N).
   int32_t kv_box_rows = 0;
-  // Paged K/V with kv_tma: lanes of producer warp 0 that issue a tile's boxes (1..32; 32 by
-  // default, TESSERA_SM90_BOX_LANES=1 times the single-thread issue side by side).
-  int32_t kv_box_lanes = 32;
   int32_t o_tma = 0;  // 1: whole output tiles leave through a TMA store
   // 1 (default): the producer loads K of key tile t + 1 before V of tile t; 0: K and V of
   // tile t, then tile t + 1 (TESSERA_SM90_K_AHEAD=0, for timing).
