@@ -64,6 +64,12 @@ def read_rows(path):
     return rows
 
 
+# How far back (instructions) a retry branch looks for its TRYWAIT, and a barrier-held
+# instruction for the BAR.SYNC that holds it.
+POLL_WINDOW = 64
+BARRIER_WINDOW = 8
+
+
 def wait_target(rows, index):
     """What instruction `index` waits on: 'mbarrier +OFFSET' for a TRYWAIT poll or the branch
     that retries it, 'BAR.SYNC ID' for an instruction held mostly by a named barrier, else None."""
@@ -73,13 +79,13 @@ def wait_target(rows, index):
         return f"mbarrier +{poll.group(2)}"
     branch = re.match(r"@!?(U?P\d+)\s+BRA\b", instruction)
     if branch:
-        for earlier in range(index - 1, max(index - 64, -1), -1):
+        for earlier in range(index - 1, max(index - POLL_WINDOW, -1), -1):
             poll = re.search(r"TRYWAIT " + branch.group(1) + r", \[[^\]]*?(0x[0-9a-f]+)\]",
                              rows[earlier][1])
             if poll:
                 return f"mbarrier +{poll.group(1)}"
     if rows[index][4] > 0.5 * rows[index][2]:
-        for earlier in range(index - 1, max(index - 8, -1), -1):
+        for earlier in range(index - 1, max(index - BARRIER_WINDOW, -1), -1):
             named = re.search(r"BAR\.SYNC\S*\s+([^;]+)", rows[earlier][1])
             if named:
                 return "BAR.SYNC " + named.group(1).strip()

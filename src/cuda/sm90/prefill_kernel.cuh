@@ -154,7 +154,8 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   if (kv.paged) {
     const int32_t page = kv.page_size;
     const bool aligned =
-        page % 8 == 0 && (Traits::kBlockN % page == 0 || page % Traits::kBlockN == 0);
+        page % kMinTmaPageKeys == 0 &&
+        (Traits::kBlockN % page == 0 || page % Traits::kBlockN == 0);
     kv_tma = kv_tma && aligned;
     box_rows = std::min(page, Traits::kBlockN);
   }

@@ -119,9 +119,9 @@ class PrefillProducer {
 #endif
   static_assert(kBoxWarps >= 1 && kBoxWarps <= Traits::kProducerThreads / 32,
                 "box-issuing warps: 1 .. the producer warpgroup's 4");
-  // Pages of 8 keys or more: a key tile has at most kBlockN / 8 boxes, one per issuing lane
-  // (fewer than 32 a warp, so the __syncwarp mask of load_page_boxes is well formed).
-  static_assert((Traits::kBlockN / 8 + kBoxWarps - 1) / kBoxWarps < 32,
+  // A key tile has at most kBlockN / kMinTmaPageKeys boxes, one per issuing lane (fewer than
+  // 32 a warp, so the __syncwarp mask of load_page_boxes is well formed).
+  static_assert((Traits::kBlockN / kMinTmaPageKeys + kBoxWarps - 1) / kBoxWarps < 32,
                 "more boxes than issuing lanes");
   // Key tiles per page-table chunk (one slot of the double-buffered table).
   static constexpr int kChunkTiles = Traits::kPageTableKeys / Traits::kBlockN;
@@ -313,7 +313,7 @@ class PrefillProducer {
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const int32_t box_rows = params_.kv_box_rows;
-    const int boxes = Traits::kBlockN / box_rows;  // <= kBlockN / 8: pages of 8 keys or more
+    const int boxes = Traits::kBlockN / box_rows;  // <= kBlockN / kMinTmaPageKeys
     const int mine = warp < kBoxWarps && warp < boxes ? (boxes - 1 - warp) / kBoxWarps + 1 : 0;
     if (lane >= mine) {
       ptx::mbarrier_arrive(full);

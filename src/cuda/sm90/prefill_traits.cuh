@@ -30,6 +30,10 @@
 
 namespace tessera::detail::sm90 {
 
+// Smallest page (in keys, and the multiple every page size must be) that paged K/V takes through
+// per-page TMA boxes; smaller or odd pages go through the cp.async gather.
+inline constexpr int kMinTmaPageKeys = 8;
+
 template <int kHeadDim_, int kBlockN_, int kConsumerWarpgroups_, int kStages_,
           bool kSeparateOutputSmem_, bool kVPageBoxes_ = false>
 struct PrefillShape {
