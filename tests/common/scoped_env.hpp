@@ -1,11 +1,13 @@
 // Sets (or unsets, for nullptr) an environment variable for one scope and restores what was
-// there before. Header-only, for tests of the TESSERA_* knobs that the library reads on every
-// call.
+// there before, re-reading the library's settings registry (core/settings.hpp) each time so the
+// change is seen. Header-only; single-threaded test code only.
 #pragma once
 
 #include <cstdlib>
 #include <optional>
 #include <string>
+
+#include "core/settings.hpp"
 
 namespace tessera::test {
 
@@ -18,6 +20,7 @@ class ScopedEnv {
     } else {
       unsetenv(name);
     }
+    detail::reload_settings();
   }
   ~ScopedEnv() {
     if (saved_) {
@@ -25,6 +28,7 @@ class ScopedEnv {
     } else {
       unsetenv(name_);
     }
+    detail::reload_settings();
   }
   ScopedEnv(const ScopedEnv&) = delete;
   ScopedEnv& operator=(const ScopedEnv&) = delete;
