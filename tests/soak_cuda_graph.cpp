@@ -74,6 +74,7 @@
 #include "core/problem.hpp"
 #include "cpu/reference.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "devtools/bench_support.hpp"
 #endif
 
 namespace tessera::soak {
@@ -250,8 +251,8 @@ struct DecodeSoak {
 
   // Random K/V pool (uniform in [-1, 1), the bench's generator), mirrored on the host.
   void fill_pool(uint64_t seed, cudaStream_t stream) {
-    detail::cuda_fill_random(k.data(), kPoolElements, DType::kBFloat16, seed, 1.0f, stream);
-    detail::cuda_fill_random(v.data(), kPoolElements, DType::kBFloat16, seed + 1, 1.0f, stream);
+    devtools::cuda_fill_random(k.data(), kPoolElements, DType::kBFloat16, seed, 1.0f, stream);
+    devtools::cuda_fill_random(v.data(), kPoolElements, DType::kBFloat16, seed + 1, 1.0f, stream);
     k_host.resize(static_cast<size_t>(kPoolElements));
     v_host.resize(static_cast<size_t>(kPoolElements));
     copy_to_host(k_host.data(), k, k.bytes(), stream);
@@ -295,7 +296,7 @@ struct DecodeSoak {
     copy_to_device(page_indptr, indptr_host.data(), indptr_host.size() * 4, stream);
     copy_to_device(last_page_len, last_host.data(), last_host.size() * 4, stream);
     copy_to_device(page_indices, indices_host.data(), indices_host.size() * 4, stream);
-    detail::cuda_fill_random(q.data(), batch * kQRow, DType::kBFloat16, q_seed, 1.0f, stream);
+    devtools::cuda_fill_random(q.data(), batch * kQRow, DType::kBFloat16, q_seed, 1.0f, stream);
   }
 
   Plan plan(const PlanCapacity& capacity) const {
@@ -416,8 +417,8 @@ struct PrefillSoak {
 
   void fill_kv(uint64_t seed, cudaStream_t stream) {
     const int64_t count = kMaxTotalKv * kKvRow;
-    detail::cuda_fill_random(k.data(), count, DType::kBFloat16, seed, 1.0f, stream);
-    detail::cuda_fill_random(v.data(), count, DType::kBFloat16, seed + 1, 1.0f, stream);
+    devtools::cuda_fill_random(k.data(), count, DType::kBFloat16, seed, 1.0f, stream);
+    devtools::cuda_fill_random(v.data(), count, DType::kBFloat16, seed + 1, 1.0f, stream);
     k_host.resize(static_cast<size_t>(count));
     v_host.resize(static_cast<size_t>(count));
     copy_to_host(k_host.data(), k, k.bytes(), stream);
@@ -457,7 +458,7 @@ struct PrefillSoak {
     }
     copy_to_device(qo_indptr, qo_host.data(), qo_host.size() * 4, stream);
     copy_to_device(kv_indptr, kv_host.data(), kv_host.size() * 4, stream);
-    detail::cuda_fill_random(q.data(), qo_host[batch] * kQRow, DType::kBFloat16, q_seed, 1.0f,
+    devtools::cuda_fill_random(q.data(), qo_host[batch] * kQRow, DType::kBFloat16, q_seed, 1.0f,
                              stream);
   }
 

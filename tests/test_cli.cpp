@@ -1,4 +1,5 @@
-// The tessera command end to end: bench (CPU, quick suite, JSON), plan --explain (prefill and
+// The tessera command end to end: bench (CPU, quick suite, JSON, the spread of the timings and
+// devtools' loaded-machine warning), plan --explain (prefill and
 // decode; the decode kernel note on a GPU), check, tune without a GPU, and a bad flag giving a
 // clear error.
 #include <gtest/gtest.h>
@@ -10,6 +11,8 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+
+#include "devtools/timing.hpp"
 
 namespace {
 
@@ -61,6 +64,45 @@ TEST_F(Cli, BenchQuickOnTheCpuPrintsATableAndJson) {
   EXPECT_NE(text.str().find("\"results\""), std::string::npos);
   EXPECT_NE(text.str().find("\"status\": \"ok\""), std::string::npos);
   EXPECT_EQ(text.str().find("\"status\": \"failed\""), std::string::npos);
+}
+
+TEST_F(Cli, BenchPrintsTheSpreadOfItsTimings) {
+  const std::string json =
+      (std::filesystem::temp_directory_path() / "tessera_bench_spread_test.json");
+  const Result result =
+      run("bench --backend cpu --suite quick --iterations 3 --quiet --filter decode --json " + json);
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("median ms"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("min ms"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("spread"), std::string::npos) << result.output;
+  std::ifstream file(json);
+  std::stringstream text;
+  text << file.rdbuf();
+  EXPECT_NE(text.str().find("\"min_ms\": "), std::string::npos) << text.str();
+  EXPECT_NE(text.str().find("\"runs\": 3"), std::string::npos) << text.str();
+}
+
+// devtools' timing summary and the loaded-machine warning the CPU bench prints once.
+TEST(Devtools, TimingStatsAndTheLoadWarning) {
+  const tessera::devtools::TimingStats stats = tessera::devtools::summarize({3.0, 1.0, 2.0, 9.0});
+  EXPECT_EQ(stats.count, 4);
+  EXPECT_EQ(stats.min, 1.0);
+  EXPECT_EQ(stats.median, 3.0);
+  EXPECT_EQ(stats.max, 9.0);
+  EXPECT_DOUBLE_EQ(stats.spread(), 8.0 / 3.0);
+  EXPECT_EQ(tessera::devtools::summarize({}).spread(), 0.0);
+
+  const tessera::devtools::HostLoad busy{3.5, 2};
+  EXPECT_TRUE(busy.loaded());
+  EXPECT_NE(busy.warning().find("1-minute load 3.5 on 2 CPUs"), std::string::npos)
+      << busy.warning();
+  EXPECT_NE(busy.warning().find("20-30%"), std::string::npos) << busy.warning();
+  const tessera::devtools::HostLoad idle{0.5, 2};
+  EXPECT_FALSE(idle.loaded());
+  EXPECT_EQ(idle.warning(), "");
+  EXPECT_FALSE(tessera::devtools::HostLoad{}.loaded());  // unreadable /proc/loadavg
+  const tessera::devtools::HostLoad here = tessera::devtools::host_load();
+  EXPECT_GT(here.cpus, 0);
 }
 
 TEST_F(Cli, PlanExplainDescribesTheWorkPartition) {

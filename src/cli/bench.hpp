@@ -10,6 +10,7 @@
 
 #include "cli/buffers.hpp"
 #include "cpu/reference.hpp"
+#include "devtools/timing.hpp"
 #include "tessera/attention.hpp"
 #include "tessera/types.hpp"
 
@@ -57,7 +58,9 @@ struct BenchOptions {
 
 struct BenchResult {
   BenchCase bench_case;
-  double milliseconds = 0;
+  double milliseconds = 0;  // median of the timed runs
+  double min_milliseconds = 0, max_milliseconds = 0;
+  int runs = 0;
   double flops = 0;      // FA convention: 4 * visible (row, key) pairs * head_dim * heads
   double bytes = 0;      // K + V bytes read (decode)
   double rate = 0;       // TFLOP/s (prefill) or TB/s (decode)
@@ -65,9 +68,15 @@ struct BenchResult {
   double max_rel_error = -1;  // sampled rows vs the reference; -1: not checked
   int nan_count = 0;
   std::string status = "ok";
+
+  // (max - min) / median of the timed runs (0 for fewer than two).
+  double spread() const {
+    return runs > 1 && milliseconds > 0 ? (max_milliseconds - min_milliseconds) / milliseconds
+                                        : 0;
+  }
 };
 
-// auto: TESSERA_BACKEND if set, else the GPU when one is visible, else the CPU. `reference`
+// auto: TESSERA_BACKEND (settings().backend) if set, else the GPU when one is visible, else the CPU. `reference`
 // (optional) is set when the double-precision oracle was asked for (cpu-reference).
 Device resolve_backend(const std::string& backend, bool* reference = nullptr);
 std::vector<BenchCase> bench_suite(const std::string& suite, Device device);
@@ -115,9 +124,11 @@ double sampled_error(const BenchProblem& p, const SampledReference& reference, i
 // Both of the above for request b.
 double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* nan_count);
 
-// Median milliseconds of `iterations` calls (0: automatic), as bench times them: on a GPU CUDA
-// events around each call after an L2 flush (detail::cuda_median_ms), or a graph replay for
-// graph cases.
+// Median, min and max milliseconds of `iterations` calls (0: automatic), as bench times them: on
+// the CPU a steady clock around each call (devtools::time_host_ms), on a GPU CUDA events around
+// each call after an L2 flush (devtools::cuda_time_ms), or a graph replay for graph cases.
+devtools::TimingStats time_stats(BenchProblem& p, int iterations);
+// The median of time_stats.
 double time_ms(BenchProblem& p, int iterations);
 
 }  // namespace tessera::cli

@@ -7,6 +7,7 @@
 #include "core/half.hpp"
 #if defined(TESSERA_HAVE_CUDA)
 #include "cuda/cuda_backend.hpp"
+#include "devtools/bench_support.hpp"
 #endif
 
 namespace tessera::cli {
@@ -55,7 +56,7 @@ void Buffer::fill_random(DType dtype, uint64_t seed, float scale) {
     return;
   }
 #if defined(TESSERA_HAVE_CUDA)
-  detail::cuda_fill_random(data_, count, dtype, seed, scale, nullptr);
+  devtools::cuda_fill_random(data_, count, dtype, seed, scale, nullptr);
 #endif
 }
 

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <iostream>
 #include <iterator>
 #include <random>
@@ -11,6 +10,7 @@
 #include <vector>
 
 #include "cli/bench.hpp"
+#include "core/settings.hpp"
 #include "core/tuning.hpp"
 #include "tessera/backend.hpp"
 #include "tessera/version.hpp"
@@ -307,14 +307,14 @@ void print_config(const TuneConfig& config) {
 }
 
 void warn_about_environment() {
-  for (const char* name : {"TESSERA_DECODE_VARIANT", "TESSERA_DECODE_MIN_CHUNK"}) {
-    const char* value = std::getenv(name);
-    if (value != nullptr && *value != '\0') {
-      std::cerr << "tessera tune: note: " << name << "=" << value
-                << " is set; tune measures every candidate regardless, but at run time the "
-                   "variable overrides the tuning file\n";
-    }
-  }
+  const detail::Settings& settings = detail::settings();
+  const auto note = [](const char* name, int value) {
+    std::cerr << "tessera tune: note: " << name << "=" << value
+              << " is set; tune measures every candidate regardless, but at run time the "
+                 "variable overrides the tuning file\n";
+  };
+  if (settings.decode_variant) note("TESSERA_DECODE_VARIANT", *settings.decode_variant);
+  if (settings.decode_min_chunk) note("TESSERA_DECODE_MIN_CHUNK", *settings.decode_min_chunk);
 }
 
 }  // namespace
@@ -329,12 +329,6 @@ int run_tune(const TuneOptions& options) {
 #else
   if (!cuda_available()) {
     std::cerr << "tessera tune: tune needs a CUDA device; none visible\n";
-    return 1;
-  }
-  if (const char* forced = std::getenv("TESSERA_DECODE_KERNEL");
-      forced != nullptr && std::string(forced) == "sm90") {
-    std::cerr << "tessera tune: TESSERA_DECODE_KERNEL=sm90 sends decode to the sm90 kernels; "
-                 "unset it to tune the decode kernels\n";
     return 1;
   }
   if (options.iterations < 1) {

@@ -79,33 +79,6 @@ void cuda_free(void* ptr);
 void cuda_synchronize(void* stream);
 void cuda_memset(void* ptr, int byte, size_t bytes, void* stream);  // asynchronous
 
-// Benchmark support (src/cuda/bench_support.cu).
-// Fills `count` elements of `dtype` with uniform values in [-scale, scale) from a counter-based
-// hash of (seed, index): reproducible, never all zeros.
-void cuda_fill_random(void* ptr, int64_t count, DType dtype, uint64_t seed, float scale,
-                      void* stream);
-// Median time in milliseconds of `iters` launches of `launch` (after `warmup` launches), each
-// timed with CUDA events on `stream`. Before each timed launch `flush_bytes` of a scratch buffer
-// are overwritten so the L2 holds nothing of the inputs (0: no flush); TESSERA_BENCH_FLUSH=read
-// reads them instead (the L2 is left clean, not dirty), =none skips the flush.
-double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iters, void* stream,
-                      size_t flush_bytes);
-// The same for a CUDA graph: `launch(context, stream)` runs once on a new stream (warm-up),
-// is captured into a graph, and the median of `iters` timed graph launches is returned, each
-// after a flush of `flush_bytes` (outside the timed events).
-double cuda_graph_median_ms(void (*launch)(void*, void*), void* context, int warmup, int iters,
-                            size_t flush_bytes);
-// Median milliseconds of a plain 16-byte-load read of `bytes` (the DRAM read ceiling for a kernel
-// that reads that much), timed like cuda_median_ms with the same flush.
-double cuda_read_ceiling_ms(size_t bytes, int iters, size_t flush_bytes);
-// Host microseconds per launch of an empty 132 x 128 kernel (best of 20 batches of `calls`),
-// with a 512-byte parameter block when `large_params`: the launch floor under run().
-double cuda_launch_floor_us(int calls, bool large_params);
-// The datasheet-style peaks of a device, derived from its SM count, clocks, memory bus and a
-// table of per-SM tensor-core throughput by architecture. `how` says which numbers were used.
-void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps,
-                       std::string* how);
-
 // Ops (device pointers; arguments validated by the core).
 void cuda_apply_rope(const TensorView& q, const TensorView& k, const int32_t* positions,
                      const RopeOptions& options, void* stream);

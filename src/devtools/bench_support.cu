@@ -1,18 +1,18 @@
-// Support for `tessera bench` on CUDA devices: on-device random fill, event timing with an L2
-// flush, and device peaks computed from the hardware (never typed in).
+// Benchmark support on CUDA devices (devtools/bench_support.hpp): on-device random fill, event
+// timing with an L2 flush, and device peaks computed from the hardware (never typed in).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_backend.hpp"
+#include "core/settings.hpp"
+#include "devtools/bench_support.hpp"
 
-namespace tessera::detail {
+namespace tessera::devtools {
 namespace {
 
 void check_cuda(cudaError_t status, const char* what) {
@@ -71,22 +71,15 @@ __global__ void read_kernel(const int4* buffer, int64_t count, int salt, int* si
   if (acc == salt) *sink = acc;
 }
 
-// TESSERA_BENCH_FLUSH: how the timed loops evict the inputs from L2 before each timed call.
+// TESSERA_BENCH_FLUSH (settings().bench_flush): how the timed loops evict the inputs from L2
+// before each timed call.
 //   write (default, also triton's do_bench): overwrite a 256 MB scratch buffer. The L2 is left
 //          full of dirty lines, whose write-back the timed kernel pays (up to the L2's size).
 //   read:  read the scratch buffer instead: the L2 is left full of clean lines.
 //   none:  no flush (inputs that fit in L2 are served from it).
-enum class FlushMode { kWrite, kRead, kNone };
+using FlushMode = detail::BenchFlush;
 
-FlushMode flush_mode() {
-  const char* text = std::getenv("TESSERA_BENCH_FLUSH");
-  if (text == nullptr || *text == 0 || std::string(text) == "write") return FlushMode::kWrite;
-  if (std::string(text) == "read") return FlushMode::kRead;
-  if (std::string(text) == "none") return FlushMode::kNone;
-  throw Error(Error::Kind::kInvalidArgument,
-              std::string("TESSERA_BENCH_FLUSH: expected write, read or none, got '") + text +
-                  "'");
-}
+FlushMode flush_mode() { return detail::settings().bench_flush; }
 
 // The scratch buffer of one timed loop and its per-iteration flush.
 struct L2Flush {
@@ -141,15 +134,24 @@ void cuda_fill_random(void* ptr, int64_t count, DType dtype, uint64_t seed, floa
   check_cuda(cudaGetLastError(), "fill_random_kernel launch");
 }
 
-double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iters, void* stream,
-                      size_t flush_bytes) {
+const char* bench_flush_name() {
+  switch (flush_mode()) {
+    case FlushMode::kWrite: return "write";
+    case FlushMode::kRead: return "read";
+    case FlushMode::kNone: return "none";
+  }
+  return "?";
+}
+
+TimingStats cuda_time_ms(void (*launch)(void*), void* context, int warmup, int iters,
+                         void* stream, size_t flush_bytes) {
   auto s = static_cast<cudaStream_t>(stream);
   const L2Flush flush(flush_bytes, flush_mode());
   for (int i = 0; i < warmup; ++i) launch(context);
   cudaEvent_t start, stop;
   check_cuda(cudaEventCreate(&start), "event create");
   check_cuda(cudaEventCreate(&stop), "event create");
-  std::vector<float> times;
+  std::vector<double> times;
   for (int i = 0; i < iters; ++i) {
     flush.run(s, i);
     check_cuda(cudaEventRecord(start, s), "event record");
@@ -162,12 +164,11 @@ double cuda_median_ms(void (*launch)(void*), void* context, int warmup, int iter
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times.empty() ? 0.0 : times[times.size() / 2];
+  return summarize(std::move(times));
 }
 
-double cuda_graph_median_ms(void (*launch)(void*, void*), void* context, int warmup, int iters,
-                            size_t flush_bytes) {
+TimingStats cuda_graph_time_ms(void (*launch)(void*, void*), void* context, int warmup,
+                               int iters, size_t flush_bytes) {
   // Owns the stream, the graph and its executable; ends a capture an error left open.
   struct GraphReplay {
     cudaStream_t stream = nullptr;
@@ -194,7 +195,7 @@ double cuda_graph_median_ms(void (*launch)(void*, void*), void* context, int war
   launch(context, replay.stream);
   check_cuda(cudaStreamEndCapture(replay.stream, &replay.graph), "end capture");
   check_cuda(cudaGraphInstantiate(&replay.exec, replay.graph, 0), "graph instantiate");
-  return cuda_median_ms(
+  return cuda_time_ms(
       [](void* r) {
         auto* self = static_cast<GraphReplay*>(r);
         check_cuda(cudaGraphLaunch(self->exec, self->stream), "graph launch");
@@ -247,13 +248,13 @@ double cuda_read_ceiling_ms(size_t bytes, int iters, size_t flush_bytes) {
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "SM count");
   // 8 CTAs of 256 threads per SM, each thread striding over the buffer with 16-byte loads.
   buffers.blocks = static_cast<int>(std::min<int64_t>(int64_t{sms} * 8, (count + 255) / 256));
-  return cuda_median_ms(
+  return cuda_time_ms(
       [](void* context) {
         auto* b = static_cast<Buffers*>(context);
         read_kernel<<<b->blocks, 256>>>(b->data, b->count, 1, b->sink);
         check_cuda(cudaGetLastError(), "read_kernel launch");
       },
-      &buffers, 3, iters, nullptr, flush_bytes);
+      &buffers, 3, iters, nullptr, flush_bytes).median;
 }
 
 namespace {
@@ -288,4 +289,4 @@ double cuda_launch_floor_us(int calls, bool large_params) {
   return best;
 }
 
-}  // namespace tessera::detail
+}  // namespace tessera::devtools

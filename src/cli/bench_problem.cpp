@@ -1,0 +1,317 @@
+// The pieces of a bench case (bench.hpp): its problem on the device, one run, the sampled check
+// against the reference and the timing; shared by `tessera bench` and `tessera tune`.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+
+#include "cli/bench.hpp"
+#include "cli/bench_internal.hpp"
+#include "cli/buffers.hpp"
+#include "core/half.hpp"
+#include "core/settings.hpp"
+#include "cpu/reference.hpp"
+#include "devtools/timing.hpp"
+#include "tessera/backend.hpp"
+#if defined(TESSERA_HAVE_CUDA)
+#include "devtools/bench_support.hpp"
+#endif
+
+namespace tessera::cli {
+namespace {
+
+// Query tokens and heads sampled per checked request.
+constexpr int kSampledTokens = 6;
+constexpr int kSampledHeads = 3;
+
+// ---- problem construction ----
+
+Buffer int_buffer(Device device, const std::vector<int32_t>& values) {
+  Buffer buffer(device, std::max<size_t>(values.size(), 1) * sizeof(int32_t));
+  if (!values.empty()) buffer.copy_from_host(values.data(), values.size() * sizeof(int32_t));
+  return buffer;
+}
+
+TensorView int_view(const Buffer& buffer, size_t count, Device device) {
+  return make_view(buffer.data(), DType::kInt32, {static_cast<int64_t>(count)}, device);
+}
+
+}  // namespace
+
+void build_problem(BenchProblem& p, uint64_t seed) {
+  const BenchCase& c = p.spec;
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  p.qo_indptr.assign(1, 0);
+  p.kv_indptr.assign(1, 0);
+  p.page_indptr.assign(1, 0);
+  for (int b = 0; b < c.batch; ++b) {
+    p.qo_indptr.push_back(p.qo_indptr.back() + c.q_len_of(b));
+    p.kv_indptr.push_back(p.kv_indptr.back() + c.kv_len_of(b));
+    if (p.is_paged()) {
+      const int pages = (c.kv_len_of(b) + c.page_size - 1) / c.page_size;
+      p.page_indptr.push_back(p.page_indptr.back() + pages);
+      p.last_page_len.push_back(c.kv_len_of(b) - (pages - 1) * c.page_size);
+    }
+  }
+  p.total_q = p.qo_indptr.back();
+  p.total_kv = p.kv_indptr.back();
+  const int64_t row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  if (p.is_paged()) {
+    p.num_pages = p.page_indptr.back();
+    // Pages in a shuffled order, as a serving engine's allocator hands them out
+    // (TESSERA_BENCH_PAGES=ordered keeps them in order, to tell the cost of scattered pages
+    // from that of small ones).
+    p.page_indices.resize(p.num_pages);
+    std::iota(p.page_indices.begin(), p.page_indices.end(), 0);
+    const bool ordered = detail::settings().bench_pages_ordered;
+    std::mt19937_64 rng(seed);
+    if (!ordered) std::shuffle(p.page_indices.begin(), p.page_indices.end(), rng);
+    const size_t cache_bytes = p.num_pages * c.page_size * row * elem;
+    p.k = Buffer(p.device, cache_bytes);
+    p.v = Buffer(p.device, cache_bytes);
+  } else {
+    p.k = Buffer(p.device, p.total_kv * row * elem);
+    p.v = Buffer(p.device, p.total_kv * row * elem);
+  }
+  const int64_t q_elems = p.total_q * c.num_qo_heads * c.head_dim;
+  p.q = Buffer(p.device, q_elems * elem);
+  p.o = Buffer(p.device, q_elems * elem);
+  p.lse = Buffer(p.device, p.total_q * c.num_qo_heads * sizeof(float));
+  p.q.fill_random(p.dtype, seed + 1);
+  p.k.fill_random(p.dtype, seed + 2);
+  p.v.fill_random(p.dtype, seed + 3);
+  p.qo_indptr_buf = int_buffer(p.device, p.qo_indptr);
+  p.kv_indptr_buf = int_buffer(p.device, p.kv_indptr);
+
+  p.q_view = make_view(p.q.data(), p.dtype, {p.total_q, c.num_qo_heads, c.head_dim}, p.device);
+  p.o_view = make_view(p.o.data(), p.dtype, {p.total_q, c.num_qo_heads, c.head_dim}, p.device);
+  p.lse_view = make_view(p.lse.data(), DType::kFloat32, {p.total_q, c.num_qo_heads}, p.device);
+  p.qo_view = int_view(p.qo_indptr_buf, p.qo_indptr.size(), p.device);
+  AttentionOptions options;
+  options.causal = c.causal;
+  if (p.is_paged()) {
+    p.page_indptr_buf = int_buffer(p.device, p.page_indptr);
+    p.page_indices_buf = int_buffer(p.device, p.page_indices);
+    p.last_page_len_buf = int_buffer(p.device, p.last_page_len);
+    const std::initializer_list<int64_t> shape = {p.num_pages, c.page_size, c.num_kv_heads,
+                                                  c.head_dim};
+    p.paged.k_cache = make_view(p.k.data(), p.dtype, shape, p.device);
+    p.paged.v_cache = make_view(p.v.data(), p.dtype, shape, p.device);
+    p.paged.layout = KVLayout::kNHD;
+    p.paged.page_indptr = int_view(p.page_indptr_buf, p.page_indptr.size(), p.device);
+    p.paged.page_indices = int_view(p.page_indices_buf, p.page_indices.size(), p.device);
+    p.paged.last_page_len = int_view(p.last_page_len_buf, p.last_page_len.size(), p.device);
+    if (c.op == AttentionOp::kDecode) {
+      p.plan = plan_decode(p.page_indptr, p.last_page_len, c.page_size, c.num_qo_heads,
+                           c.num_kv_heads, c.head_dim, options, p.device, c.q_len);
+    } else {
+      p.plan = plan_paged_prefill(p.qo_indptr, p.page_indptr, p.last_page_len, c.page_size,
+                                  c.num_qo_heads, c.num_kv_heads, c.head_dim, options, p.device);
+    }
+  } else {
+    p.k_view = make_view(p.k.data(), p.dtype, {p.total_kv, c.num_kv_heads, c.head_dim}, p.device);
+    p.v_view = make_view(p.v.data(), p.dtype, {p.total_kv, c.num_kv_heads, c.head_dim}, p.device);
+    p.kv_view = int_view(p.kv_indptr_buf, p.kv_indptr.size(), p.device);
+    p.plan = plan_ragged_prefill(p.qo_indptr, p.kv_indptr, c.num_qo_heads, c.num_kv_heads,
+                                 c.head_dim, options, p.device);
+  }
+  p.workspace = Buffer(p.device, p.plan.workspace_bytes);
+  // A serving engine plans once per step and runs the plan in every layer: the plan's lists are
+  // uploaded here, outside the timed call (TESSERA_BENCH_UPLOAD=0 times run()'s own upload).
+  if (p.device.type == DeviceType::kCUDA && detail::settings().bench_upload) {
+    upload_plan(p.plan, Workspace{p.workspace.data(), p.workspace.bytes()});
+  }
+}
+
+void run_once(BenchProblem& p, void* stream) {
+  const Workspace workspace{p.workspace.data(), p.workspace.bytes()};
+  // Checked cases time the index validation with the call (restored afterwards).
+  struct CheckingScope {
+    bool saved = index_checking();
+    explicit CheckingScope(bool on) { set_index_checking(on || saved); }
+    ~CheckingScope() { set_index_checking(saved); }
+  } checking(p.spec.checked);
+  switch (p.spec.op) {
+    case AttentionOp::kRaggedPrefill:
+      run_ragged_prefill(p.plan, p.q_view, p.k_view, p.v_view, p.qo_view, p.kv_view, p.o_view,
+                         p.lse_view, workspace, stream);
+      break;
+    case AttentionOp::kPagedPrefill:
+      run_paged_prefill(p.plan, p.q_view, p.paged, p.qo_view, p.o_view, p.lse_view, workspace,
+                        stream);
+      break;
+    case AttentionOp::kDecode:
+      run_decode(p.plan, p.q_view, p.paged, p.o_view, p.lse_view, workspace, stream);
+      break;
+  }
+}
+
+// ---- sampled correctness check ----
+
+SampledReference sampled_reference(const BenchProblem& p, int b, std::mt19937_64& rng) {
+  const BenchCase& c = p.spec;
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  const int64_t q_row = static_cast<int64_t>(c.num_qo_heads) * c.head_dim;
+  const int64_t kv_row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  const int64_t q_begin = p.qo_indptr[b];
+  const int q_len = c.q_len_of(b), kv_len = c.kv_len_of(b);
+  std::vector<uint8_t> q(q_len * q_row * elem);
+  std::vector<uint8_t> k(static_cast<size_t>(kv_len) * kv_row * elem), v(k.size());
+  p.q.copy_to_host(q.data(), q.size(), q_begin * q_row * elem);
+  if (p.is_paged()) {
+    // NHD pages of one request, concatenated in page-table order, are its ragged K/V rows.
+    const int64_t page_bytes = static_cast<int64_t>(c.page_size) * kv_row * elem;
+    for (int32_t i = p.page_indptr[b]; i < p.page_indptr[b + 1]; ++i) {
+      const int64_t local = i - p.page_indptr[b];
+      const int64_t bytes = std::min<int64_t>(page_bytes, k.size() - local * page_bytes);
+      p.k.copy_to_host(k.data() + local * page_bytes, bytes, p.page_indices[i] * page_bytes);
+      p.v.copy_to_host(v.data() + local * page_bytes, bytes, p.page_indices[i] * page_bytes);
+    }
+  } else {
+    p.k.copy_to_host(k.data(), k.size(), p.kv_indptr[b] * kv_row * elem);
+    p.v.copy_to_host(v.data(), v.size(), p.kv_indptr[b] * kv_row * elem);
+  }
+  const int32_t qo_indptr[2] = {0, q_len}, kv_indptr[2] = {0, kv_len};
+  detail::AttentionProblem host;
+  host.q_dtype = p.dtype;
+  host.batch_size = 1;
+  host.num_qo_heads = c.num_qo_heads;
+  host.num_kv_heads = c.num_kv_heads;
+  host.head_dim = c.head_dim;
+  host.q = q.data();
+  host.q_stride_token = q_row;
+  host.q_stride_head = c.head_dim;
+  host.qo_indptr = qo_indptr;
+  host.kv.dtype = p.dtype;
+  host.kv.k = k.data();
+  host.kv.v = v.data();
+  host.kv.k_stride_token = host.kv.v_stride_token = kv_row;
+  host.kv.k_stride_head = host.kv.v_stride_head = c.head_dim;
+  host.kv.kv_indptr = kv_indptr;
+  host.sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  host.mask.causal = c.causal;
+
+  SampledReference reference;
+  reference.request = b;
+  std::vector<detail::ReferenceRow>& rows = reference.rows;
+  std::uniform_int_distribution<int> token_dist(0, q_len - 1), head_dist(0, c.num_qo_heads - 1);
+  for (int t = 0; t < kSampledTokens; ++t) {
+    const int token = t == 0 ? 0 : t == 1 ? q_len - 1 : token_dist(rng);
+    for (int h = 0; h < kSampledHeads; ++h) {
+      const int head = h == 0 ? 0 : h == 1 ? c.num_qo_heads - 1 : head_dist(rng);
+      rows.push_back({0, token, head});
+    }
+  }
+  detail::cpu_reference_rows(host, rows, &reference.o, &reference.lse);
+  return reference;
+}
+
+double sampled_error(const BenchProblem& p, const SampledReference& reference, int* nan_count) {
+  const BenchCase& c = p.spec;
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  const int64_t q_row = static_cast<int64_t>(c.num_qo_heads) * c.head_dim;
+  const int64_t q_begin = p.qo_indptr[reference.request];
+  const int q_len = c.q_len_of(reference.request);
+  std::vector<uint8_t> o(q_len * q_row * elem);
+  std::vector<float> lse(static_cast<size_t>(q_len) * c.num_qo_heads);
+  p.o.copy_to_host(o.data(), o.size(), q_begin * q_row * elem);
+  p.lse.copy_to_host(lse.data(), lse.size() * sizeof(float),
+                     q_begin * c.num_qo_heads * sizeof(float));
+  for (int64_t i = 0; i < q_len * q_row; ++i) {
+    *nan_count += std::isnan(detail::load_as_float(o.data(), p.dtype, i));
+  }
+  const std::vector<detail::ReferenceRow>& rows = reference.rows;
+  const std::vector<double>& ref_o = reference.o;
+  const std::vector<double>& ref_lse = reference.lse;
+  double worst = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    double diff = 0, norm = 0;
+    const int64_t base = rows[r].token * q_row + static_cast<int64_t>(rows[r].qo_head) * c.head_dim;
+    for (int d = 0; d < c.head_dim; ++d) {
+      const double out = detail::load_as_float(o.data(), p.dtype, base + d);
+      const double ref = ref_o[r * c.head_dim + d];
+      diff += (out - ref) * (out - ref);
+      norm += ref * ref;
+    }
+    double err = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+    const double out_lse = lse[static_cast<size_t>(rows[r].token) * c.num_qo_heads +
+                               rows[r].qo_head];
+    if (std::isinf(ref_lse[r]) ? out_lse != ref_lse[r]
+                               : std::fabs(out_lse - ref_lse[r]) > 1e-2 * (1 + std::fabs(ref_lse[r]))) {
+      err = std::max(err, 1.0);  // a wrong lse fails the case
+    }
+    if (std::isnan(err)) err = INFINITY;
+    worst = std::max(worst, err);
+  }
+  return worst;
+}
+
+double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* nan_count) {
+  return sampled_error(p, sampled_reference(p, b, rng), nan_count);
+}
+
+
+std::string format_double(double value, int precision) {
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.*f", precision, value);
+  return text;
+}
+
+namespace {
+
+double visible_pairs_of(const BenchCase& c, int q_len, int kv_len) {
+  detail::MaskSpec mask;
+  mask.causal = c.causal;
+  double pairs = 0;
+  for (int i = 0; i < q_len; ++i) {
+    int32_t first, last;
+    mask.visible_range(i, q_len, kv_len, &first, &last);
+    pairs += last - first;
+  }
+  return pairs;
+}
+
+}  // namespace
+
+double visible_pairs(const BenchCase& c) {
+  const int first = c.num_first();
+  double pairs = visible_pairs_of(c, c.q_len, c.kv_len) * (c.batch - first);
+  return pairs + visible_pairs_of(c, c.q_len_of(0), c.kv_len_of(0)) * first;
+}
+
+double total_keys(const BenchCase& c) {
+  const int first = c.num_first();
+  return static_cast<double>(c.kv_len) * (c.batch - first) +
+         static_cast<double>(c.kv_len_of(0)) * first;
+}
+
+// ---- timing ----
+
+#if defined(TESSERA_HAVE_CUDA)
+namespace {
+void launch_trampoline(void* context) { run_once(*static_cast<BenchProblem*>(context)); }
+void launch_on_stream(void* context, void* stream) {
+  run_once(*static_cast<BenchProblem*>(context), stream);
+}
+}  // namespace
+#endif
+
+devtools::TimingStats time_stats(BenchProblem& p, int iterations) {
+  if (p.device.type == DeviceType::kCPU) {
+    return devtools::time_host_ms([&] { run_once(p); }, iterations);
+  }
+#if defined(TESSERA_HAVE_CUDA)
+  const int iters = iterations > 0 ? iterations : 30;
+  if (p.spec.graph) {
+    return devtools::cuda_graph_time_ms(&launch_on_stream, &p, 3, iters, kL2FlushBytes);
+  }
+  return devtools::cuda_time_ms(&launch_trampoline, &p, 3, iters, nullptr, kL2FlushBytes);
+#else
+  return {};
+#endif
+}
+
+double time_ms(BenchProblem& p, int iterations) { return time_stats(p, iterations).median; }
+
+}  // namespace tessera::cli

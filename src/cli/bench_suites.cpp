@@ -1,0 +1,181 @@
+// The cases of `tessera bench --suite quick|standard` per device, and the backend choice.
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cli/bench.hpp"
+#include "cli/bench_internal.hpp"
+#include "core/settings.hpp"
+#include "tessera/backend.hpp"
+
+namespace tessera::cli {
+
+BenchCase prefill_case(int head_dim, int seq, bool causal, int tokens, int hidden) {
+  BenchCase c;
+  c.op = AttentionOp::kRaggedPrefill;
+  c.batch = std::max(1, tokens / seq);
+  c.q_len = c.kv_len = seq;
+  c.num_qo_heads = c.num_kv_heads = hidden / head_dim;
+  c.head_dim = head_dim;
+  c.causal = causal;
+  c.name = "prefill d" + std::to_string(head_dim) + (causal ? " causal" : "") + " " +
+           std::to_string(c.batch) + "x" + std::to_string(seq) + " h" +
+           std::to_string(c.num_qo_heads);
+  return c;
+}
+
+// The decode cases of the standard CUDA suite (GQA 32/8, d128, page 16; `--suite roofline` reads
+// the same shapes): batch x kv_len from one request to 256, and a skewed batch of one long
+// request beside many short ones.
+std::vector<BenchCase> decode_suite_cases() {
+  std::vector<BenchCase> cases;
+  for (auto [batch, len] : {std::pair{1, 1024}, {1, 32768}, {16, 4096}, {16, 32768}, {64, 4096},
+                            {64, 32768}, {256, 16384}}) {
+    cases.push_back(gqa_case(AttentionOp::kDecode, batch, 1, len, false, 16));
+  }
+  BenchCase skewed = gqa_case(AttentionOp::kDecode, 256, 1, 512, false, 16);
+  skewed.first_kv_len = 32768;
+  skewed.name = "decode gqa32/8 d128 p16 skewed 1x32k+255x512";
+  cases.push_back(skewed);
+  return cases;
+}
+
+BenchCase gqa_case(AttentionOp op, int batch, int q_len, int kv_len, bool causal, int page) {
+  BenchCase c;
+  c.op = op;
+  c.batch = batch;
+  c.q_len = q_len;
+  c.kv_len = kv_len;
+  c.num_qo_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.page_size = page;
+  c.causal = causal;
+  const std::string shape = std::to_string(batch) + "x" + std::to_string(kv_len);
+  if (op == AttentionOp::kDecode) {
+    c.name = "decode gqa32/8 d128 p" + std::to_string(page) + " " + shape;
+  } else {
+    c.name = std::string(op == AttentionOp::kPagedPrefill ? "paged prefill p" +
+                                                                std::to_string(page) + " "
+                                                          : "prefill ") +
+             "gqa32/8 d128" + (causal ? " causal " : " ") + shape;
+  }
+  return c;
+}
+
+namespace {
+
+// TESSERA_BENCH_SEQS=4096,6000,8192,...: comma-separated lengths in 1..1048576.
+std::vector<int> bench_seqs(const std::string& text) {
+  std::vector<int> seqs;
+  for (const char* at = text.c_str(); *at != '\0';) {
+    char* end = nullptr;
+    const long value = std::strtol(at, &end, 10);
+    if (end == at || value < 1 || value > (1 << 20)) {
+      throw Error(Error::Kind::kInvalidArgument,
+                  "TESSERA_BENCH_SEQS: expected comma-separated lengths in 1..1048576, got '" +
+                      text + "'");
+    }
+    if (*end != ',' && *end != '\0') {
+      throw Error(Error::Kind::kInvalidArgument,
+                  "TESSERA_BENCH_SEQS: expected comma-separated lengths, got '" + text + "'");
+    }
+    seqs.push_back(static_cast<int>(value));
+    at = *end == ',' ? end + 1 : end;
+  }
+  return seqs;
+}
+
+}  // namespace
+
+Device resolve_backend(const std::string& requested, bool* reference) {
+  // TESSERA_BACKEND picks the backend when the command line leaves it at auto.
+  const std::string& env = detail::settings().backend;
+  const std::string backend = requested == "auto" && !env.empty() ? env : requested;
+  if (reference) *reference = backend == "cpu-reference";
+  if (backend == "cpu" || backend == "cpu-reference") return Device{DeviceType::kCPU, 0};
+  if (backend == "cuda") return Device{DeviceType::kCUDA, 0};
+  if (backend != "auto") {
+    throw Error(Error::Kind::kInvalidArgument,
+                "--backend / TESSERA_BACKEND: expected auto, cpu, cpu-reference or cuda, got '" +
+                    backend + "'");
+  }
+  return cuda_available() ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
+}
+
+std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
+  std::vector<BenchCase> cases;
+  const bool quick = suite == "quick";
+  if (suite != "quick" && suite != "standard") {
+    throw Error(Error::Kind::kInvalidArgument,
+                "--suite: expected quick, standard, plan, overhead or roofline, got '" + suite + "'");
+  }
+  if (device.type == DeviceType::kCUDA) {
+    // The grid of ANCHORS.md: B x S = 16k tokens, H x D = 2048.
+    std::vector<int> seqs = quick ? std::vector<int>{4096} : std::vector<int>{512, 4096, 16384};
+    // TESSERA_BENCH_SEQS=4096,6000,8192,...: the grid's sequence lengths instead (batch =
+    // 16384 / length requests, at least one), to time the kernel choice between lengths (the
+    // wide-tile rule) without a separate suite.
+    if (!detail::settings().bench_seqs.empty()) seqs = bench_seqs(detail::settings().bench_seqs);
+    const std::vector<int> dims = quick ? std::vector<int>{128} : std::vector<int>{64, 128, 256};
+    for (int d : dims) {
+      for (bool causal : {false, true}) {
+        for (int s : seqs) cases.push_back(prefill_case(d, s, causal, 16384, 2048));
+      }
+    }
+    cases.push_back(gqa_case(AttentionOp::kRaggedPrefill, 4, 4096, 4096, true, 0));
+    if (!quick) cases.push_back(gqa_case(AttentionOp::kRaggedPrefill, 1, 16384, 16384, true, 0));
+    for (int page : quick ? std::vector<int>{16} : std::vector<int>{16, 64}) {
+      cases.push_back(gqa_case(AttentionOp::kPagedPrefill, 4, 4096, 4096, true, page));
+    }
+    if (quick) {
+      cases.push_back(gqa_case(AttentionOp::kDecode, 64, 1, 4096, false, 16));
+    } else {
+      // Decode of every batch shape, then a skewed batch (issue 5).
+      for (const BenchCase& c : decode_suite_cases()) cases.push_back(c);
+      BenchCase skewed_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 256, 256, true, 0);
+      skewed_prefill.first_q_len = skewed_prefill.first_kv_len = 16384;
+      skewed_prefill.name = "prefill gqa32/8 d128 causal skewed 1x16k+63x256";
+      cases.push_back(skewed_prefill);
+      BenchCase uniform_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 2048, 2048, true, 0);
+      uniform_prefill.name = "prefill gqa32/8 d128 causal uniform 64x2048";  // ~ equal work
+      cases.push_back(uniform_prefill);
+      // A mixed batch in one plan (issue 5): 4 requests prefilling 2048 tokens beside 252
+      // decoding one token, all over 2048 cached keys (paged prefill with ragged q lengths).
+      BenchCase mixed = gqa_case(AttentionOp::kPagedPrefill, 256, 1, 2048, true, 16);
+      mixed.first_q_len = 2048;
+      mixed.first_count = 4;
+      mixed.name = "prefill gqa32/8 d128 p16 causal mixed 4x2048+252x1";
+      cases.push_back(mixed);
+      // Checked mode (issue 7): the same decode with index validation on.
+      BenchCase checked = gqa_case(AttentionOp::kDecode, 64, 1, 4096, false, 16);
+      checked.checked = true;
+      checked.name += " (checked)";
+      cases.push_back(checked);
+      // Latency of one decode step replayed from a CUDA graph (issue 5: 1 x 1k <= 8 us).
+      BenchCase graph = gqa_case(AttentionOp::kDecode, 1, 1, 1024, false, 16);
+      graph.graph = true;
+      graph.name += " (graph)";
+      cases.push_back(graph);
+    }
+    return cases;
+  }
+  // CPU: the foundation's target shape first (D=128, S=2048, 8 heads), then the rest scaled to
+  // what two to a few dozen cores finish in seconds.
+  const int s = quick ? 512 : 2048;
+  cases.push_back(prefill_case(128, s, false, s, 128 * 8));
+  cases.push_back(prefill_case(128, s, true, s, 128 * 8));
+  if (!quick) {
+    cases.push_back(prefill_case(64, 2048, false, 2048, 64 * 8));
+    cases.push_back(prefill_case(256, 1024, false, 1024, 256 * 4));
+  }
+  cases.push_back(gqa_case(AttentionOp::kRaggedPrefill, 1, s / 2, s / 2, true, 0));
+  cases.push_back(gqa_case(AttentionOp::kPagedPrefill, 1, s / 2, s / 2, true, 16));
+  cases.push_back(gqa_case(AttentionOp::kDecode, 8, 1, quick ? 1024 : 4096, false, 16));
+  if (!quick) cases.push_back(gqa_case(AttentionOp::kDecode, 1, 1, 32768, false, 16));
+  return cases;
+}
+
+}  // namespace tessera::cli
