@@ -2,7 +2,7 @@
 // computed with. Written for 16-key pages: can S = Q K^T run as one wgmma of N = 16 per page
 // (each page's K rows a TMA box of its own, 8 boxes per tile instead of 16) at the tensor rate
 // of the N = 128 form the kernels use? (No: 0.64 of it, 0.77 for a whole tile, on the H200;
-// docs/PERF.md, 2026-12-06 sixth, where that kernel was timed and removed.)
+// docs/log/PERF.md, 2026-12-06 sixth, where that kernel was timed and removed.)
 //
 // Two warpgroups per CTA (the consumers' count), one CTA per SM, each warpgroup computing
 // 64 x 128 x 128 products (one S tile: 8 k-steps of 16 over the head dim) back to back:
@@ -16,7 +16,7 @@
 // Every product accumulates onto the previous iteration's (scale-d 1, accumulators zeroed once):
 // a product that started from zero would leave the previous iteration's results dead, and
 // ptxas drops such wgmma (it did, unrolling by two: the first version reported S at 1791
-// TFLOP/s, twice what ran, docs/PERF.md 2026-12-06 sixth).
+// TFLOP/s, twice what ran, docs/log/PERF.md 2026-12-06 sixth).
 // Operands are a fixed bf16 pattern (the rate, not the values, is measured). Prints TFLOP/s of
 // the whole GPU and the ratio to the kernels' form.
 // Build (sm_90a) and run on an H100/H200:

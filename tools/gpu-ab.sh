@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device side of an A/B run: several builds of libtessera.so timed against each other in the
 # same call, alternating round by round (the machine's speed drifts from call to call by more
-# than most kernel changes are worth; docs/PERF.md).
+# than most kernel changes are worth; docs/log/PERF.md).
 #   tools/gpu-ab.sh OUT_DIR BUILD_DIR TESTED VARIANT...
 # BUILD_DIR is a staged build (tools/stage-gpu.sh): its tessera and tests/ run against each
 # variant through LD_LIBRARY_PATH (their RUNPATH is $ORIGIN, searched after it). A variant NAME is

@@ -8,7 +8,7 @@ Compares the planner's orders: plain LPT (longest first), each worker's items so
 (request, head, q tile), and LPT section by section over S MiB of K/V (planner.cpp, step 4).
 An approximation: LPT here ignores the planner's splits and worker blocks, the L2 is one LRU
 (an H100's is two halves), and time is the cost model's. It ranked the orders as the device
-did (docs/PERF.md, 2026-12-06).
+did (docs/log/PERF.md, 2026-12-06).
   python3 tools/l2-model.py [--workers 132] [--l2-mib 50]
 """
 import argparse, collections, heapq

@@ -156,10 +156,9 @@ struct ResolvedDecodeTuning {
 // The built-in default's batch rule, head_dim bucket 128 only. A batch with at least
 // kHeavyBatchTilesPerSm (request, kv head) tiles per SM keeps every CTA busy without split-KV,
 // and there the small-CTA variant 4 (2 warps x 3 stages, twice the CTAs per SM of variant 1)
-// covers one CTA's per-item latency with others: on the H200 at d128, 64 x 4k +2% (groups 4
-// and 8), skewed 1 x 32k + 255 x 512 +3%, 256 x 16k equal; on fewer tiles it loses (1 x 32k
-// -17%, 16 x 4k -2%). At d64 it loses everywhere (64 x 4k -7%, group 4), d256 is unmeasured:
-// both keep variant 1 (docs/PERF.md). Only the built-in default follows the rule: a variant
+// covers one CTA's per-item latency with others; on fewer tiles it loses. At d64 it loses on
+// every batch and d256 is unmeasured, so both keep variant 1 (timings: docs/log/PERF.md,
+// 2026-12-03). Only the built-in default follows the rule: a variant
 // from the environment, a tuning file or an override is kept. Plans with a fixed capacity
 // (CUDA graphs) never use it, so every plan of one capacity has the same worker count.
 inline constexpr int kHeavyBatchDecodeVariant = 4;

@@ -142,9 +142,9 @@ template <>
 struct PrefillVariantTraits<64, 2> : PrefillShape<64, 128, 64, 8, 2, 2, 2> {};
 template <>
 struct PrefillVariantTraits<128, 1> : PrefillShape<128, 128, 64, 4, 1, 1, 1> {};
-// d128 has no variant 2: its 2-stage shape measured 2% slower than variant 0 on the H200
-// (docs/PERF.md, v2) and spills once the softmax exponent is computed without FMA; variant 2
-// selects variant 1 at d128 (prefill_kernel.cuh).
+// d128 has no variant 2: its 2-stage shape was slower than variant 0 and spills once the
+// softmax exponent is computed without FMA; variant 2 selects variant 1 at d128
+// (prefill_kernel.cuh).
 template <>
 struct PrefillVariantTraits<256, 1> : PrefillShape<256, 128, 64, 8, 1, 1, 1> {};
 template <>

@@ -80,13 +80,10 @@ class PrefillConsumer {
   static constexpr uint32_t kSchedulerThreads = 2 * Traits::kWarpgroupThreads;
   static constexpr bool kNarrow = Traits::kNarrowTileMath;  // prefill_tile.cuh
   // Where O takes the correction of the key tile just softmaxed: right after the previous P V
-  // has landed (FA3's place for head_dim <= 128), or at the next scheduler turn, between the
-  // next Q K^T and P V. Measured per kernel on the H200 (docs/PERF.md): late is +1..5% for the
-  // 128-key d128 kernels, -2..5% for d64, -0.5% for d256 at 4k tokens (2026-12-04), and +3.6%
-  // for the 176-key kernel at 4k tokens once the warp-uniform descriptors freed the registers it
-  // used to spill with it (2026-12-05). Once the exponentials became one basic block with the
-  // multiplications (H100, 2026-12-05, third session), late is also +1..4% for d64 at 512 and
-  // 4096 tokens; d256 (128 output registers against 32 exponentials a tile) keeps the turn.
+  // has landed (late: FA3's place for head_dim <= 128, the multiplications in the exponentials'
+  // basic block), or at the next scheduler turn, between the next Q K^T and P V. Late is the
+  // faster up to head_dim 128; d256 (128 output registers against 32 exponentials a tile) keeps
+  // the turn (timed per kernel: docs/log/PERF.md, 2026-12-04 and 2026-12-05).
   static constexpr bool kRescaleLate = Traits::kHeadDim <= 128;
   // Largest |max * scale| for which the exponentials take the one-FFMA form (softmax_tile).
   static constexpr float kOneFfmaBaseLimit = 1048576.0f;  // 2^20
@@ -122,7 +119,7 @@ class PrefillConsumer {
     // Each warpgroup derives the tiles from the work list itself, exactly as the producer does.
     // (A shared tile ring fed by the producer was tried: correct under the PTX memory model, its
     // mbarrier hand-off of plain shared-memory stores is reported as a race by
-    // compute-sanitizer racecheck, and it bought no measurable time; docs/PERF.md.)
+    // compute-sanitizer racecheck, and it bought no measurable time; docs/log/PERF.md, v2.)
     RingState ring;
     int32_t q_count = 0;
     for_each_prefill_tile<Traits::kBlockN, kNarrow>(
@@ -346,7 +343,7 @@ class PrefillConsumer {
                                                  const Softmax& softmax) const {
     // No vote to skip a warp whose rows all kept their maximum (correction exactly 1): with the
     // late rescale the multiplications sit in the exponentials' basic block, in the SFU's shadow,
-    // and a vote would split that block (measured: no gain from skipping; docs/PERF.md).
+    // and a vote would split that block (timed: skipping gained nothing; docs/log/PERF.md).
 #pragma unroll
     for (int j = 0; j < kOutputRegs / 4; ++j) {
 #pragma unroll

@@ -46,9 +46,9 @@ struct PrefillShape {
   // ([page][column block][rows of the page][64], params.v_page_rows rows per page), so that one
   // TMA box copies a page's row across every column block (prefill_producer.cuh).
   static constexpr bool kVPageBoxes = kVPageBoxes_;
-  // The per-tile integer work in its short form (prefill_tile.cuh): measured on the
-  // H200 +4..12% at 512-token requests for d128 and d256, but -5..7% for d64 at 4k..16k tokens,
-  // whose unchanged main loop ptxas then schedules differently (docs/PERF.md, 2026-12-04).
+  // The per-tile integer work in its short form (prefill_tile.cuh), except at d64: it speeds up
+  // short requests at d128 and d256 but slows d64, whose unchanged main loop ptxas then
+  // schedules differently (docs/log/PERF.md, 2026-12-04).
   static constexpr bool kNarrowTileMath = kHeadDim != 64;
 
   static constexpr int kWarpgroupThreads = 128;
