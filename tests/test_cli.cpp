@@ -1,7 +1,6 @@
 // The tessera command end to end: bench (CPU, quick suite, JSON, the spread of the timings and
-// devtools' loaded-machine warning), plan --explain (prefill and
-// decode; the decode kernel note on a GPU), check, tune without a GPU, and a bad flag giving a
-// clear error.
+// devtools' loaded-machine warning), plan --explain (prefill and decode; the decode kernel note on
+// a GPU), info, check, tune without a GPU, and a bad flag giving a clear error.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -198,6 +197,22 @@ TEST_F(Cli, TuneFilterMatchesWholeWords) {
     EXPECT_NE(result.output.find("tune needs a CUDA device; none visible"), std::string::npos)
         << filter << ": " << result.output;
   }
+}
+
+TEST_F(Cli, InfoDescribesTheBuild) {
+  Result result = run("info");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_EQ(result.output.rfind("tessera ", 0), 0u) << result.output;
+  const bool cuda =
+      result.output.find("build: CUDA backend compiled in, archs ") != std::string::npos;
+  EXPECT_TRUE(cuda || result.output.find("build: no CUDA backend") != std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("cpu kernels: "), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("cuda devices: "), std::string::npos) << result.output;
+  // The ISA in use follows TESSERA_CPU_ISA (which only lowers it).
+  result = run("info", "TESSERA_CPU_ISA=generic");
+  ASSERT_EQ(result.status, 0) << result.output;
+  EXPECT_NE(result.output.find("cpu kernels: generic"), std::string::npos) << result.output;
 }
 
 TEST_F(Cli, CheckRunsTheCorrectnessSweep) {

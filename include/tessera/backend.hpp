@@ -38,6 +38,18 @@ int cuda_device_count();
 // makes.
 uint64_t cuda_stream_capture_id(void* stream);
 
+// What this build of the library holds (`tessera info` prints it).
+struct BuildInfo {
+  std::string version;           // version_string()
+  bool cuda = false;             // the CUDA backends are compiled in
+  std::string cuda_archs;        // the CUDA architectures compiled (CMake's TESSERA_CUDA_ARCHS,
+                                 // e.g. "80;90a"); "" without the CUDA backends
+  std::string cpu_isa;           // the ISA the fast CPU kernels use here: generic, avx2, avx512
+                                 // (the best this CPU has, capped by TESSERA_CPU_ISA)
+  std::string cpu_isa_supported;  // the best ISA this CPU has
+};
+BuildInfo build_info();
+
 // A short description of a device ("cpu: 2 threads, avx512", "cuda:0 NVIDIA H200 sm_90, 132 SMs").
 std::string describe_device(Device device);
 

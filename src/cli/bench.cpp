@@ -43,8 +43,8 @@ Peaks device_peaks(Device device) {
 }
 
 // Builds, checks and times one case.
-BenchResult run_case(const BenchCase& c, const BenchOptions& options, Device device,
-                     bool reference, const Peaks& peaks, uint64_t seed, std::mt19937_64& rng) {
+BenchResult run_case(const BenchCase& c, const BenchOptions& options, Device device, bool reference,
+                     const Peaks& peaks, uint64_t seed, std::mt19937_64& rng) {
   BenchResult result;
   result.bench_case = c;
   try {
@@ -90,13 +90,11 @@ BenchResult run_case(const BenchCase& c, const BenchOptions& options, Device dev
 // name), then the fastest run and the spread of the runs.
 void print_table(const std::vector<BenchResult>& results, bool cpu) {
   std::printf("\n%-44s %10s %12s %10s %7s %8s %10s %s\n", "case", "median ms",
-              cpu ? "GFLOP|GB/s" : "TFLOP|TB/s", "min ms", "spread", "% peak", "max err",
-              "status");
+              cpu ? "GFLOP|GB/s" : "TFLOP|TB/s", "min ms", "spread", "% peak", "max err", "status");
   for (const BenchResult& r : results) {
     const double shown = cpu ? r.rate * 1e3 : r.rate;
-    const std::string unit = r.bench_case.op == AttentionOp::kDecode
-                                 ? (cpu ? " GB/s" : " TB/s")
-                                 : (cpu ? " GF/s" : " TF/s");
+    const std::string unit = r.bench_case.op == AttentionOp::kDecode ? (cpu ? " GB/s" : " TB/s")
+                                                                     : (cpu ? " GF/s" : " TF/s");
     const std::string spread =
         r.runs > 1 ? format_double(100.0 * r.spread(), 1) + "%" : std::string("-");
     std::printf("%-44s %10.3f %7.2f%s %10.3f %7s %8s %10s %s\n", r.bench_case.name.c_str(),
@@ -182,8 +180,8 @@ int run_bench(const BenchOptions& options) {
   std::cout << "tessera bench: " << device_text << (reference ? " (reference oracle)" : "")
             << ", dtype " << dtype_name(options.dtype) << "\n"
             << "peak: " << format_double(peaks.compute * 1e3, 1) << " GFLOP/s"
-            << (peaks.memory > 0 ? ", " + format_double(peaks.memory, 2) + " TB/s" : "")
-            << " (" << peaks.how << ")" << std::endl;
+            << (peaks.memory > 0 ? ", " + format_double(peaks.memory, 2) + " TB/s" : "") << " ("
+            << peaks.how << ")" << std::endl;
   const bool cpu = device.type == DeviceType::kCPU;
   LoadWarning load_warning(cpu && !reference);
 

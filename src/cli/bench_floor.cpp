@@ -57,7 +57,8 @@ int run_overhead_bench(const BenchOptions& options) {
         const auto start = std::chrono::steady_clock::now();
         for (int i = 0; i < 200; ++i) run_once(problem);
         const auto stop = std::chrono::steady_clock::now();
-        best = std::min(best, std::chrono::duration<double, std::micro>(stop - start).count() / 200);
+        best =
+            std::min(best, std::chrono::duration<double, std::micro>(stop - start).count() / 200);
         synchronize();
       }
       std::printf("  %-44s %8.2f us\n", c.name.c_str(), best);
@@ -106,6 +107,5 @@ int run_roofline_bench(const BenchOptions& options) {
   return 0;
 #endif
 }
-
 
 }  // namespace tessera::cli

@@ -137,13 +137,12 @@ int run_plan_bench(const BenchOptions& options) {
       if (!gpu) return detail::make_plan(shape, cpu_config);
       switch (c.op) {
         case AttentionOp::kRaggedPrefill:
-          return plan_ragged_prefill(qo_indptr, kv_indptr, kQoHeads, kKvHeads, kHeadDim,
-                                     attention, device);
+          return plan_ragged_prefill(qo_indptr, kv_indptr, kQoHeads, kKvHeads, kHeadDim, attention,
+                                     device);
         case AttentionOp::kPagedPrefill:
           return plan_paged_prefill(qo_indptr, page_indptr, last_page_len, kPageSize, kQoHeads,
                                     kKvHeads, kHeadDim, attention, device);
-        case AttentionOp::kDecode:
-          break;
+        case AttentionOp::kDecode: break;
       }
       return plan_decode(page_indptr, last_page_len, kPageSize, kQoHeads, kKvHeads, kHeadDim,
                          attention, device, c.q_lens.empty() ? 1 : c.q_lens[0]);
@@ -175,6 +174,5 @@ int run_plan_bench(const BenchOptions& options) {
   }
   return 0;
 }
-
 
 }  // namespace tessera::cli

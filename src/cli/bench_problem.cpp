@@ -235,10 +235,11 @@ double sampled_error(const BenchProblem& p, const SampledReference& reference, i
       norm += ref * ref;
     }
     double err = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-    const double out_lse = lse[static_cast<size_t>(rows[r].token) * c.num_qo_heads +
-                               rows[r].qo_head];
-    if (std::isinf(ref_lse[r]) ? out_lse != ref_lse[r]
-                               : std::fabs(out_lse - ref_lse[r]) > 1e-2 * (1 + std::fabs(ref_lse[r]))) {
+    const double out_lse =
+        lse[static_cast<size_t>(rows[r].token) * c.num_qo_heads + rows[r].qo_head];
+    if (std::isinf(ref_lse[r])
+            ? out_lse != ref_lse[r]
+            : std::fabs(out_lse - ref_lse[r]) > 1e-2 * (1 + std::fabs(ref_lse[r]))) {
       err = std::max(err, 1.0);  // a wrong lse fails the case
     }
     if (std::isnan(err)) err = INFINITY;
@@ -250,7 +251,6 @@ double sampled_error(const BenchProblem& p, const SampledReference& reference, i
 double check_request(const BenchProblem& p, int b, std::mt19937_64& rng, int* nan_count) {
   return sampled_error(p, sampled_reference(p, b, rng), nan_count);
 }
-
 
 std::string format_double(double value, int precision) {
   char text[64];
@@ -290,7 +290,9 @@ double total_keys(const BenchCase& c) {
 
 #if defined(TESSERA_HAVE_CUDA)
 namespace {
-void launch_trampoline(void* context) { run_once(*static_cast<BenchProblem*>(context)); }
+void launch_trampoline(void* context) {
+  run_once(*static_cast<BenchProblem*>(context));
+}
 void launch_on_stream(void* context, void* stream) {
   run_once(*static_cast<BenchProblem*>(context), stream);
 }
@@ -312,6 +314,8 @@ devtools::TimingStats time_stats(BenchProblem& p, int iterations) {
 #endif
 }
 
-double time_ms(BenchProblem& p, int iterations) { return time_stats(p, iterations).median; }
+double time_ms(BenchProblem& p, int iterations) {
+  return time_stats(p, iterations).median;
+}
 
 }  // namespace tessera::cli

@@ -31,8 +31,13 @@ BenchCase prefill_case(int head_dim, int seq, bool causal, int tokens, int hidde
 // request beside many short ones.
 std::vector<BenchCase> decode_suite_cases() {
   std::vector<BenchCase> cases;
-  for (auto [batch, len] : {std::pair{1, 1024}, {1, 32768}, {16, 4096}, {16, 32768}, {64, 4096},
-                            {64, 32768}, {256, 16384}}) {
+  for (auto [batch, len] : {std::pair{1, 1024},
+                            {1, 32768},
+                            {16, 4096},
+                            {16, 32768},
+                            {64, 4096},
+                            {64, 32768},
+                            {256, 16384}}) {
     cases.push_back(gqa_case(AttentionOp::kDecode, batch, 1, len, false, 16));
   }
   BenchCase skewed = gqa_case(AttentionOp::kDecode, 256, 1, 512, false, 16);
@@ -57,9 +62,9 @@ BenchCase gqa_case(AttentionOp op, int batch, int q_len, int kv_len, bool causal
   if (op == AttentionOp::kDecode) {
     c.name = "decode gqa32/8 d128 p" + std::to_string(page) + " " + shape;
   } else {
-    c.name = std::string(op == AttentionOp::kPagedPrefill ? "paged prefill p" +
-                                                                std::to_string(page) + " "
-                                                          : "prefill ") +
+    c.name = std::string(op == AttentionOp::kPagedPrefill
+                             ? "paged prefill p" + std::to_string(page) + " "
+                             : "prefill ") +
              "gqa32/8 d128" + (causal ? " causal " : " ") + shape;
   }
   return c;
@@ -74,9 +79,9 @@ std::vector<int> bench_seqs(const std::string& text) {
     char* end = nullptr;
     const long value = std::strtol(at, &end, 10);
     if (end == at || value < 1 || value > (1 << 20)) {
-      throw Error(Error::Kind::kInvalidArgument,
-                  "TESSERA_BENCH_SEQS: expected comma-separated lengths in 1..1048576, got '" +
-                      text + "'");
+      throw Error(
+          Error::Kind::kInvalidArgument,
+          "TESSERA_BENCH_SEQS: expected comma-separated lengths in 1..1048576, got '" + text + "'");
     }
     if (*end != ',' && *end != '\0') {
       throw Error(Error::Kind::kInvalidArgument,
@@ -109,8 +114,9 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
   std::vector<BenchCase> cases;
   const bool quick = suite == "quick";
   if (suite != "quick" && suite != "standard") {
-    throw Error(Error::Kind::kInvalidArgument,
-                "--suite: expected quick, standard, plan, overhead or roofline, got '" + suite + "'");
+    throw Error(
+        Error::Kind::kInvalidArgument,
+        "--suite: expected quick, standard, plan, overhead or roofline, got '" + suite + "'");
   }
   if (device.type == DeviceType::kCUDA) {
     // The grid of ANCHORS.md: B x S = 16k tokens, H x D = 2048.

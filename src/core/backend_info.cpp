@@ -1,9 +1,11 @@
-// Device queries of the public backend API.
+// Device queries and the build description of the public backend API.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "cpu/cpu_info.hpp"
 #include "tessera/backend.hpp"
+#include "tessera/version.hpp"
 #if defined(TESSERA_HAVE_CUDA)
 #include "cuda/cuda_backend.hpp"
 #endif
@@ -26,6 +28,24 @@ uint64_t cuda_stream_capture_id([[maybe_unused]] void* stream) {
 #else
   return 0;
 #endif
+}
+
+BuildInfo build_info() {
+  BuildInfo info;
+  info.version = version_string();
+#if defined(TESSERA_HAVE_CUDA)
+  info.cuda = true;
+#if defined(TESSERA_CUDA_ARCHS_BUILT)
+  info.cuda_archs = TESSERA_CUDA_ARCHS_BUILT;  // CMake's list with ',' for ';'
+  std::replace(info.cuda_archs.begin(), info.cuda_archs.end(), ',', ';');
+#endif
+#endif
+  info.cpu_isa = detail::cpu_isa_name();
+  info.cpu_isa_supported = detail::cpu_isa_name(
+      detail::cpu_supports(detail::CpuIsa::kAvx512) ? detail::CpuIsa::kAvx512
+      : detail::cpu_supports(detail::CpuIsa::kAvx2) ? detail::CpuIsa::kAvx2
+                                                    : detail::CpuIsa::kGeneric);
+  return info;
 }
 
 std::string describe_device(Device device) {

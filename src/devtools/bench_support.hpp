@@ -23,13 +23,13 @@ void cuda_fill_random(void* ptr, int64_t count, DType dtype, uint64_t seed, floa
 // scratch buffer are overwritten so the L2 holds nothing of the inputs (0: no flush);
 // TESSERA_BENCH_FLUSH=read reads them instead (the L2 is left clean, not dirty), =none skips the
 // flush.
-TimingStats cuda_time_ms(void (*launch)(void*), void* context, int warmup, int iters,
-                         void* stream, size_t flush_bytes);
+TimingStats cuda_time_ms(void (*launch)(void*), void* context, int warmup, int iters, void* stream,
+                         size_t flush_bytes);
 // The same for a CUDA graph: `launch(context, stream)` runs once on a new stream (warm-up),
 // is captured into a graph, and `iters` timed graph launches are measured, each after a flush
 // of `flush_bytes` (outside the timed events).
-TimingStats cuda_graph_time_ms(void (*launch)(void*, void*), void* context, int warmup,
-                               int iters, size_t flush_bytes);
+TimingStats cuda_graph_time_ms(void (*launch)(void*, void*), void* context, int warmup, int iters,
+                               size_t flush_bytes);
 // Median milliseconds of a plain 16-byte-load read of `bytes` (the DRAM read ceiling for a kernel
 // that reads that much), timed like cuda_time_ms with the same flush.
 double cuda_read_ceiling_ms(size_t bytes, int iters, size_t flush_bytes);
@@ -38,8 +38,7 @@ double cuda_read_ceiling_ms(size_t bytes, int iters, size_t flush_bytes);
 double cuda_launch_floor_us(int calls, bool large_params);
 // The datasheet-style peaks of a device, derived from its SM count, clocks, memory bus and a
 // table of per-SM tensor-core throughput by architecture. `how` says which numbers were used.
-void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps,
-                       std::string* how);
+void cuda_device_peaks(int device, double* dense_bf16_tflops, double* dram_tbps, std::string* how);
 // The name of the L2 flush in force (TESSERA_BENCH_FLUSH): "write", "read" or "none".
 const char* bench_flush_name();
 

@@ -21,8 +21,7 @@ TimingStats summarize(std::vector<double> samples) {
   return stats;
 }
 
-TimingStats time_host_ms(const std::function<void()>& call, int iterations,
-                         double budget_seconds) {
+TimingStats time_host_ms(const std::function<void()>& call, int iterations, double budget_seconds) {
   call();  // warm-up
   std::vector<double> times;
   const auto deadline = std::chrono::steady_clock::now() +
