@@ -492,16 +492,13 @@ TEST(CudaDecode, HeavyBatchesTakeTheSmallCtaVariant) {
                  << detail::tuning_source_name(variant_source(128))
                  << ": the batch rule does not apply";
   }
-  // TESSERA_DECODE_KERNEL=sm90 sends decode to the sm90 kernels: no sm80 kernel name to check.
-  const char* forced = std::getenv("TESSERA_DECODE_KERNEL");
-  const bool sm80_decode = forced == nullptr || std::string(forced) != "sm90";
   std::mt19937_64 rng(base_seed() + 12);
   const int32_t num_sms = detail::cuda_device_info(0).num_sms;
   const int32_t heavy = (detail::kHeavyBatchTilesPerSm * num_sms + num_kv_heads - 1) / num_kv_heads;
   for (const int32_t head_dim : {64, 128, 256}) {
     // Which kernel ran is checked only where the variant is the built-in default.
     const bool check_kernel =
-        sm80_decode && variant_source(head_dim) == detail::TuningSource::kDefault;
+        variant_source(head_dim) == detail::TuningSource::kDefault;
     for (const int32_t batch : {heavy - 1, heavy}) {
       std::vector<int32_t> lens(batch);
       for (int32_t& len : lens) len = uniform(rng, 1, 200);

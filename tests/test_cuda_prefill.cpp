@@ -38,7 +38,8 @@
 #if defined(TESSERA_HAVE_CUDA)
 #include "core/half.hpp"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/sm90/prefill_api.hpp"
+#include "core/settings.hpp"
+#include "cuda/kernel_registry.hpp"
 #endif
 
 namespace tessera {
@@ -267,22 +268,22 @@ void expect_close(const AttentionBuffers& buffers, const Outputs& actual, const 
                   << (ok ? std::string() : first_bad_rows(buffers, actual, expected));
 }
 
-// Whether the sm90 kernels should serve this case on device 0.
+// Whether the sm90 kernels should serve this case on device 0, restated from their limits:
+// Hopper, TESSERA_PREFILL_KERNEL not sm80, fp16/bf16 q with K/V of its dtype, head_dim up to
+// 256 and a GQA group within the 128-row tile.
 bool sm90_serves(const AttentionCase& c) {
   const detail::CudaDeviceInfo& info = detail::cuda_device_info(kGpu.index);
-  return detail::sm90::prefill_unsupported_reason(info.sm_major, c.head_dim, c.num_qo_heads,
-                                                  c.num_kv_heads, c.q_dtype, c.kv_dtype)
-      .empty();
+  const bool half = c.q_dtype == DType::kFloat16 || c.q_dtype == DType::kBFloat16;
+  return info.sm_major == 9 && !detail::settings().prefill_force_sm80 && half &&
+         c.kv_dtype == c.q_dtype && c.head_dim <= 256 && c.num_qo_heads / c.num_kv_heads <= 128;
 }
 
 // The page layout tag of the sm90 kernel that should serve a case (prefill_kernel_name), from
 // the dispatch rule restated here: d128 over pages shorter than a key tile gets V page by page
-// (unless TESSERA_SM90_PAGED_V=0); "" for the rest.
+// ; "" for the rest.
 std::string expected_page_tag(const AttentionCase& c) {
   if (!c.paged || c.head_dim != 128) return "";
-  const char* page_v = std::getenv("TESSERA_SM90_PAGED_V");
-  const bool v_on = page_v == nullptr || std::string(page_v) != "0";
-  return v_on && c.page_size < 128 ? ", paged V" : "";
+  return c.page_size < 128 ? ", paged V" : "";
 }
 
 // The kernel family the last launch used, when the plan launched anything; for the sm90 family
@@ -291,6 +292,13 @@ void expect_family(const AttentionCase& c, const Plan& plan, const char* prefix,
                    const std::string& run) {
   if (plan.work.empty()) return;
   const std::string kernel = detail::cuda_last_prefill_kernel();
+  // The plan's registry row is what ran, unless run() recorded a fallback.
+  if (plan.kernel_id >= 0 && *detail::cuda_last_prefill_fallback() == '\0') {
+    const detail::KernelInstance* chosen =
+        detail::kernel_row(plan.kernel_id).instance(c.q_dtype, c.kv_dtype);
+    ASSERT_NE(chosen, nullptr) << plan.kernel;
+    EXPECT_EQ(kernel, chosen->name) << plan.kernel << "\n  run: " << run;
+  }
   EXPECT_EQ(kernel.rfind(prefix, 0), 0u)
       << "expected a " << prefix << " kernel, ran " << kernel << "\n  case: " << c.describe()
       << "\n  run: " << run;
@@ -303,13 +311,13 @@ void expect_family(const AttentionCase& c, const Plan& plan, const char* prefix,
                                   << kernel << "\n  case: " << c.describe() << "\n  run: " << run;
 }
 
-// TESSERA_PREFILL_KERNEL=sm80 for the guard's lifetime: the portable kernels serve every call.
+// TESSERA_PREFILL_KERNEL=sm80 for the guard's lifetime: plans choose the portable kernels.
 class ForcePortablePrefill {
  public:
-  ForcePortablePrefill() { setenv("TESSERA_PREFILL_KERNEL", "sm80", 1); }
-  ~ForcePortablePrefill() { unsetenv("TESSERA_PREFILL_KERNEL"); }
-  ForcePortablePrefill(const ForcePortablePrefill&) = delete;
-  ForcePortablePrefill& operator=(const ForcePortablePrefill&) = delete;
+  ForcePortablePrefill() : env_("TESSERA_PREFILL_KERNEL", "sm80") {}
+
+ private:
+  test::ScopedEnv env_;
 };
 
 // What the CUDA kernels serve: fp16/bf16 q with K/V of the same dtype, prefill (ragged queries),
@@ -342,9 +350,11 @@ void check_case(const AttentionCase& c, std::mt19937_64& rng) {
   expect_close(buffers, run_public(buffers, device, plan), expected, "public plan");
   expect_family(c, plan, family, "public plan");
   if (sm90) {
-    const ForcePortablePrefill portable;
-    expect_close(buffers, run_public(buffers, device, plan), expected, "public plan on sm80");
-    expect_family(c, plan, "tessera::sm80::", "public plan on sm80");
+    const ForcePortablePrefill portable;  // chosen at plan time: plan again
+    const Plan portable_plan = public_plan(buffers);
+    expect_close(buffers, run_public(buffers, device, portable_plan), expected,
+                 "public plan on sm80");
+    expect_family(c, portable_plan, "tessera::sm80::", "public plan on sm80");
   }
 
   const int32_t workers = std::uniform_int_distribution<int32_t>(1, 300)(rng);

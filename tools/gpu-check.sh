@@ -20,7 +20,7 @@
 # flush, HF latency. TESSERA_MICRO=1: the micro-benchmarks of bench/ (TMA box shapes, wgmma
 # forms) first, into micro.log.
 # TESSERA_BENCH_VARIANTS: A/B runs of the bench in the same call, ';'-separated, each
-# "VAR=VALUE[,VAR=VALUE...][@FILTER]" (e.g. "TESSERA_BENCH_PAGES=ordered@p16;TESSERA_SM90_K_AHEAD=0@paged"),
+# "VAR=VALUE[,VAR=VALUE...][@FILTER]" (e.g. "TESSERA_BENCH_PAGES=ordered@p16;TESSERA_SM90_WIDE=0@prefill"),
 # into bench-variants.log.
 # Files: micro.log, tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png,
 # python.log, ncu.log, ncu-source-N.csv, extra.log, extra-decode-compare.json,
@@ -165,9 +165,6 @@ if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
     echo "--- the same prefill shapes on the portable sm80 kernels (TESSERA_PREFILL_KERNEL=sm80)" \
       >>"$out/bench.log"
     TESSERA_PREFILL_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter prefill \
-      >>"$out/bench.log" 2>&1 || status=1
-    echo "--- decode on the sm80 decode kernels (TESSERA_DECODE_KERNEL=sm80)" >>"$out/bench.log"
-    TESSERA_DECODE_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter decode \
       >>"$out/bench.log" 2>&1 || status=1
   fi
   PYTHONUNBUFFERED=1 timeout 900 python3 "$root/bench/compare.py" "$out/bench.json" \

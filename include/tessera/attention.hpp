@@ -162,7 +162,11 @@ struct Plan {
   PlanCapacity capacity{};     // as passed to plan_*
   double max_worker_cost = 0;  // cost model units (see planner.hpp)
   double total_cost = 0;
-  // Which backend kernel family serves this plan and why (printed by explain()).
+  // The kernel chosen once, at plan time: a row of the CUDA backend's kernel registry (-1 on
+  // the CPU, or for a plan built by hand: run() then chooses by the same rule), that backend's
+  // launch options for it, and which row and why (printed by explain()).
+  int32_t kernel_id = -1;
+  uint32_t kernel_options = 0;
   std::string kernel;
 
   // Set by upload_plan(): the workspace the lists were copied into and the upload's (process

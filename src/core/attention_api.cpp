@@ -115,7 +115,7 @@ Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_
       capacity.fixed() || capacity.deterministic ? 0 : static_cast<int64_t>(shape.q_lens.size());
   Plan plan = detail::make_plan(
       shape, detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim, batch));
-  plan.kernel = detail::plan_kernel_note(op, device, num_qo_heads, num_kv_heads, head_dim, batch);
+  detail::choose_kernel(plan);
   return plan;
 }
 

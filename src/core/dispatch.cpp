@@ -7,10 +7,8 @@
 #include <vector>
 
 #include "core/backends.hpp"
+#include "core/device_backend.hpp"
 #include "tessera/backend.hpp"
-#if defined(TESSERA_HAVE_CUDA)
-#include "cuda/cuda_backend.hpp"
-#endif
 
 namespace tessera::detail {
 
@@ -19,18 +17,30 @@ namespace tessera::detail {
 inline constexpr int32_t kCpuTileRows = 64;
 inline constexpr int32_t kCpuMinKvChunk = 512;
 
+namespace {
+
+const DeviceBackend& gpu_or_throw(const char* who) {
+  const DeviceBackend* gpu = gpu_backend();
+  if (gpu == nullptr) {
+    ArgChecker(who).unsupported("device", "this build of tessera has no CUDA backend");
+  }
+  return *gpu;
+}
+
+}  // namespace
+
 void check_device_usable(const ArgChecker& check, Device device) {
   if (device.type == DeviceType::kCPU) return;
-#if defined(TESSERA_HAVE_CUDA)
-  const int count = cuda_device_count_or_zero();
+  const DeviceBackend* gpu = gpu_backend();
+  if (gpu == nullptr) {
+    check.unsupported("device", "this build of tessera has no CUDA backend (built without nvcc)");
+  }
+  const int count = gpu->device_count();
   if (count == 0) check.unsupported("device", "no CUDA device is visible on this host");
   if (device.index < 0 || device.index >= count) {
     check.fail("device", "expected a CUDA device index in [0, " + std::to_string(count) +
                              "), got " + std::to_string(device.index));
   }
-#else
-  check.unsupported("device", "this build of tessera has no CUDA backend (built without nvcc)");
-#endif
 }
 
 PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
@@ -43,26 +53,19 @@ PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int 
     config.min_kv_chunk = kCpuMinKvChunk;
     return config;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  return cuda_plan_config(op, num_qo_heads, num_kv_heads, head_dim, DType::kBFloat16,
-                          device.index, batch);
-#else
-  ArgChecker("plan").unsupported("device", "this build of tessera has no CUDA backend");
-#endif
+  return gpu_or_throw("plan").plan_config(op, num_qo_heads, num_kv_heads, head_dim, device.index,
+                                          batch);
 }
 
-std::string plan_kernel_note(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
-                             int head_dim, int64_t batch) {
-  if (device.type == DeviceType::kCPU) {
-    return cpu_impl() == CpuImpl::kReference
-               ? "CPU reference (double accumulation, TESSERA_CPU_IMPL=reference)"
-               : "CPU fast path (tiled online softmax, GQA packing, per-ISA vector kernels)";
+void choose_kernel(Plan& plan) {
+  if (plan.device.type == DeviceType::kCPU) {
+    plan.kernel_id = -1;
+    plan.kernel = cpu_impl() == CpuImpl::kReference
+                      ? "CPU reference (double accumulation, set_cpu_impl(kReference))"
+                      : "CPU fast path (tiled online softmax, GQA packing, per-ISA vector kernels)";
+    return;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  return cuda_plan_kernel_note(op, num_qo_heads, num_kv_heads, head_dim, device.index, batch);
-#else
-  return "no CUDA backend in this build";
-#endif
+  gpu_or_throw("plan").choose_kernel(plan);
 }
 
 void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,
@@ -75,24 +78,16 @@ void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Works
     }
     return;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  cuda_run_attention(plan, problem, workspace, stream);
-#endif
+  gpu_or_throw("run").run_attention(plan, problem, workspace, stream);
 }
 
 uint64_t dispatch_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
   if (plan.device.type == DeviceType::kCPU) return 0;
-#if defined(TESSERA_HAVE_CUDA)
-  return cuda_upload_plan(plan, workspace, stream);
-#else
-  return 0;
-#endif
+  return gpu_or_throw("upload_plan").upload_plan(plan, workspace, stream);
 }
 
-void dispatch_forget_uploads([[maybe_unused]] const void* workspace) {
-#if defined(TESSERA_HAVE_CUDA)
-  cuda_forget_uploads(workspace);
-#endif
+void dispatch_forget_uploads(const void* workspace) {
+  if (const DeviceBackend* gpu = gpu_backend()) gpu->forget_uploads(workspace);
 }
 
 ScratchBuffer::ScratchBuffer(Device device, size_t bytes) : device_(device), bytes_(bytes) {
@@ -102,9 +97,7 @@ ScratchBuffer::ScratchBuffer(Device device, size_t bytes) : device_(device), byt
     if (!data_) throw std::bad_alloc();  // the C ABI maps it to TESSERA_ERROR_OUT_OF_MEMORY
     return;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  data_ = cuda_alloc(bytes);
-#endif
+  data_ = gpu_or_throw("scratch").alloc(bytes);
 }
 
 ScratchBuffer::~ScratchBuffer() {
@@ -113,9 +106,7 @@ ScratchBuffer::~ScratchBuffer() {
     std::free(data_);
     return;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  cuda_free(data_);
-#endif
+  gpu_backend()->free(data_);  // data_ came from it
 }
 
 std::vector<int32_t> read_int32_array(const TensorView& view, void* stream) {
@@ -125,9 +116,8 @@ std::vector<int32_t> read_int32_array(const TensorView& view, void* stream) {
     std::memcpy(values.data(), view.data, values.size() * sizeof(int32_t));
     return values;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  cuda_copy_to_host(values.data(), view.data, values.size() * sizeof(int32_t), stream);
-#endif
+  gpu_or_throw("read").copy_to_host(values.data(), view.data, values.size() * sizeof(int32_t),
+                                    stream);
   return values;
 }
 

@@ -16,10 +16,9 @@ void check_device_usable(const ArgChecker& check, Device device);
 PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
                            int head_dim, int64_t batch = 0);
 
-// One line naming the kernel family that will serve (op, device, heads, head_dim, batch as
-// above) and why.
-std::string plan_kernel_note(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
-                             int head_dim, int64_t batch = 0);
+// Records in `plan` (made by make_plan) the kernel that will serve it, chosen once here:
+// plan.kernel_id / kernel_options (the GPU backend's registry row) and plan.kernel (which and why).
+void choose_kernel(Plan& plan);
 
 // Runs a validated problem with its plan on the plan's device.
 void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,

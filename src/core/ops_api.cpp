@@ -7,15 +7,16 @@
 #include "core/dispatch.hpp"
 #include "core/paged_source.hpp"
 #include "core/validate.hpp"
+#include "core/device_backend.hpp"
 #include "tessera/ops.hpp"
-#if defined(TESSERA_HAVE_CUDA)
-#include "cuda/cuda_backend.hpp"
-#endif
 
 namespace tessera {
 namespace {
 
 using detail::ArgChecker;
+
+// The GPU backend of a call whose device check_usable accepted (so there is one).
+const detail::DeviceBackend& gpu() { return *detail::gpu_backend(); }
 
 constexpr std::initializer_list<DType> kFloatDtypes = {DType::kFloat32, DType::kFloat16,
                                                        DType::kBFloat16};
@@ -123,9 +124,7 @@ void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorVi
     detail::cpu_apply_rope(q, k, positions.ptr<const int32_t>(), options);
     return;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  detail::cuda_apply_rope(q, k, positions.ptr<const int32_t>(), options, stream);
-#endif
+  gpu().apply_rope(q, k, positions.ptr<const int32_t>(), options, stream);
 }
 
 void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
@@ -225,11 +224,9 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
                                 static_cast<int32_t>(k_new.shape[2]), rope);
     return;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  detail::cuda_append_paged_kv(k_new, v_new, append_indptr.ptr<const int32_t>(), cache,
-                               static_cast<int32_t>(batch), static_cast<int32_t>(k_new.shape[1]),
-                               static_cast<int32_t>(k_new.shape[2]), rope, stream);
-#endif
+  gpu().append_paged_kv(k_new, v_new, append_indptr.ptr<const int32_t>(), cache,
+      static_cast<int32_t>(batch), static_cast<int32_t>(k_new.shape[1]),
+      static_cast<int32_t>(k_new.shape[2]), rope, stream);
 }
 
 void block_table_to_csr(const TensorView& block_table, const TensorView& seq_lens, int page_size,
@@ -289,11 +286,9 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
     return "expected room for batch_size x max_pages = " + std::to_string(batch * max_pages) +
            " entries, got " + std::to_string(page_indices.shape[0]);
   });
-#if defined(TESSERA_HAVE_CUDA)
-  detail::cuda_block_table_to_csr(block_table, seq_lens.ptr<const int32_t>(), page_size,
-                                  page_indptr.ptr<int32_t>(), page_indices.ptr<int32_t>(),
-                                  last_page_len.ptr<int32_t>(), stream);
-#endif
+  gpu().block_table_to_csr(block_table, seq_lens.ptr<const int32_t>(), page_size,
+      page_indptr.ptr<int32_t>(), page_indices.ptr<int32_t>(),
+      last_page_len.ptr<int32_t>(), stream);
 }
 
 void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
@@ -315,10 +310,8 @@ void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorVie
                             lse_out_ptr);
     return;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  detail::cuda_merge_state(o_a, lse_a.ptr<const float>(), o_b, lse_b.ptr<const float>(), o_out,
-                           lse_out_ptr, stream);
-#endif
+  gpu().merge_state(o_a, lse_a.ptr<const float>(), o_b, lse_b.ptr<const float>(), o_out,
+      lse_out_ptr, stream);
 }
 
 void merge_states(const TensorView& states, const TensorView& lse, const TensorView& indptr,
@@ -347,10 +340,8 @@ void merge_states(const TensorView& states, const TensorView& lse, const TensorV
                              lse_out_ptr);
     return;
   }
-#if defined(TESSERA_HAVE_CUDA)
-  detail::cuda_merge_states(states, lse.ptr<const float>(), indptr.ptr<const int32_t>(), o_out,
-                            lse_out_ptr, stream);
-#endif
+  gpu().merge_states(states, lse.ptr<const float>(), indptr.ptr<const int32_t>(), o_out,
+      lse_out_ptr, stream);
 }
 
 }  // namespace tessera

@@ -28,6 +28,10 @@ constexpr SettingDoc kSettings[] = {
      "~/.cache/tessera/tune.txt)"},
     {"TESSERA_NCCL_LIBRARY", "path", "libnccl.so.2", SettingScope::kUser,
      "the NCCL library context parallelism loads"},
+    {"TESSERA_LIBRARY", "path", "", SettingScope::kUser,
+     "Python package: the libtessera.so to load (default: the one installed with it)"},
+    {"TESSERA_FASTCALL", "0|path", "", SettingScope::kUser,
+     "Python package: 0 turns the C fast path of run() off; a path loads that _fastcall.abi3.so"},
     // ---- developer ----
     {"TESSERA_PREFILL_KERNEL", "auto|sm80", "auto", SettingScope::kDeveloper,
      "sm80: plan prefill on the portable mma.sync kernels on Hopper too (side-by-side timing)"},
@@ -187,7 +191,9 @@ std::string settings_markdown(SettingScope scope) {
     if (doc.scope != scope) continue;
     std::string type = doc.type;
     std::replace(type.begin(), type.end(), '|', '/');  // keep the table's columns
-    const auto quoted = [](const char* text) { return std::string("`").append(text).append("`"); };
+    const auto quoted = [](const char* text) {
+      return std::string("`").append(text).append("`");
+    };
     const std::string cells[] = {quoted(doc.name), type,
                                  *doc.default_value ? quoted(doc.default_value) : "unset",
                                  doc.doc};

@@ -1,5 +1,7 @@
 #include "core/tuning.hpp"
 
+#include "core/settings.hpp"
+
 #include <cerrno>
 #include <charconv>
 #include <cstdlib>
@@ -18,11 +20,6 @@ namespace {
 
 constexpr std::string_view kVersionKeyword = "tessera-tune";
 constexpr std::string_view kDecodeKeyword = "decode";
-
-std::string env_or_empty(const char* name) {
-  const char* value = std::getenv(name);
-  return value != nullptr ? std::string(value) : std::string();
-}
 
 // One `key=value` field of an entry line; value without its quotes.
 struct Field {
@@ -254,11 +251,12 @@ std::string format_tuning_table(const TuningTable& table, std::string_view comme
 }
 
 std::string default_tuning_file_path() {
-  if (std::string path = env_or_empty("TESSERA_TUNE_FILE"); !path.empty()) return path;
-  if (const std::string cache = env_or_empty("XDG_CACHE_HOME"); !cache.empty()) {
+  const Settings& s = settings();
+  if (!s.tune_file.empty()) return s.tune_file;
+  if (const std::string& cache = s.xdg_cache_home; !cache.empty()) {
     return (std::filesystem::path(cache) / "tessera" / "tune.txt").string();
   }
-  if (const std::string home = env_or_empty("HOME"); !home.empty()) {
+  if (const std::string& home = s.home; !home.empty()) {
     return (std::filesystem::path(home) / ".cache" / "tessera" / "tune.txt").string();
   }
   return {};

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 
+#include "core/settings.hpp"
 #include "cp/cp_internal.hpp"
 #include "tessera/context_parallel.hpp"
 
@@ -42,9 +43,8 @@ void resolve(void* handle, const std::string& library, const char* name, Functio
 
 void load_locked() {
   if (g_loaded) return;
-  const char* override_path = std::getenv("TESSERA_NCCL_LIBRARY");
-  const std::string library =
-      override_path != nullptr && *override_path != '\0' ? override_path : "libnccl.so.2";
+  const std::string& override_path = settings().nccl_library;
+  const std::string library = !override_path.empty() ? override_path : "libnccl.so.2";
   disable_nccl_nvls();  // before NCCL reads its environment
   void* handle = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (handle == nullptr) {
@@ -116,8 +116,7 @@ bool nccl_available(std::string* why) {
 std::string disable_nccl_nvls() {
   // setenv(..., 0): a value the user (or the launcher) set wins.
   setenv("NCCL_NVLS_ENABLE", "0", 0);
-  const char* value = std::getenv("NCCL_NVLS_ENABLE");
-  return value != nullptr ? value : "";
+  return detail::environment_value("NCCL_NVLS_ENABLE").value_or("");
 }
 
 }  // namespace tessera

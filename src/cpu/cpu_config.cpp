@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "core/settings.hpp"
 #include "cpu/cpu_info.hpp"
 #include "tessera/backend.hpp"
 
@@ -13,23 +14,14 @@ namespace {
 // 0 means "not set by set_num_threads": the default below applies.
 std::atomic<int> g_num_threads{0};
 std::atomic<CpuImpl> g_cpu_impl{CpuImpl::kFast};
-std::atomic<bool> g_index_checking{[] {
-  const char* env = std::getenv("TESSERA_CHECK");
-  return env != nullptr && std::string(env) == "1";
-}()};
+std::atomic<bool> g_index_checking{detail::settings().check};
 
 // TESSERA_NUM_THREADS wins over the CPU count (the process's affinity mask) so a deployment can
 // leave cores to the serving framework; an unparsable or non-positive value is ignored.
 int default_num_threads() {
   static const int threads = [] {
-    if (const char* env = std::getenv("TESSERA_NUM_THREADS")) {
-      char* end = nullptr;
-      const long value = std::strtol(env, &end, 10);
-      if (end != env && *end == '\0' && value >= 1 && value <= 4096) {
-        return static_cast<int>(value);
-      }
-    }
-    return detail::usable_logical_cpus();
+    const int configured = detail::settings().num_threads;
+    return configured > 0 ? configured : detail::usable_logical_cpus();
   }();
   return threads;
 }

@@ -1,5 +1,7 @@
 #include "cpu/cpu_info.hpp"
 
+#include "core/settings.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -242,11 +244,11 @@ bool cpu_supports(CpuIsa isa) {
 CpuIsa selected_cpu_isa() {
   static const CpuIsa selected = [] {
     CpuIsa isa = best_supported_isa();
-    if (const char* env = std::getenv("TESSERA_CPU_ISA")) {
+    if (const std::string& env = settings().cpu_isa; !env.empty()) {
       CpuIsa requested = isa;
-      if (std::strcmp(env, "generic") == 0) requested = CpuIsa::kGeneric;
-      if (std::strcmp(env, "avx2") == 0) requested = CpuIsa::kAvx2;
-      if (std::strcmp(env, "avx512") == 0) requested = CpuIsa::kAvx512;
+      if (env == "generic") requested = CpuIsa::kGeneric;
+      if (env == "avx2") requested = CpuIsa::kAvx2;
+      if (env == "avx512") requested = CpuIsa::kAvx512;
       isa = std::min(isa, requested);
     }
     return isa;

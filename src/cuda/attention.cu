@@ -1,7 +1,7 @@
 // CUDA backend entry for attention: uploads the plan's lists into the workspace (upload_plan's
 // pinned one-copy path, or run()'s own fallback), checks what the kernels need from the
-// arguments and the device, and launches prefill (sm80 kernels) or decode, then the merge of
-// split-KV partials.
+// arguments and the device, and launches the plan's registry row (prefill or decode), then the
+// merge of split-KV partials.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,9 +21,9 @@
 #include "core/workspace_layout.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_utils.hpp"
+#include "cuda/kernel_select.hpp"
 #include "cuda/sm80/decode_api.hpp"
 #include "cuda/sm80/prefill_api.hpp"
-#include "cuda/sm90/prefill_api.hpp"
 
 namespace tessera::detail {
 namespace {
@@ -205,6 +205,11 @@ std::string& last_prefill_kernel() {
   return name;
 }
 
+std::string& last_prefill_fallback() {
+  thread_local std::string reason;
+  return reason;
+}
+
 void check_workspace_fits(const WorkspaceLayout& layout, Workspace workspace, const char* who) {
   if (workspace.bytes < layout.total || (layout.total > 0 && workspace.data == nullptr)) {
     throw Error(Error::Kind::kInvalidArgument,
@@ -269,65 +274,19 @@ void check_prefill_arguments(const Plan& plan, const AttentionProblem& problem,
                        {problem.kv.v_stride_page, paged}});
 }
 
-// Whether the sm90 kernels run this decode: the shape and dtypes they serve, and the 16-byte
-// rows their loads need (the sm80 decode kernels take any alignment).
-bool sm90_decode(const AttentionProblem& problem, const CudaDeviceInfo& info) {
-  if (!sm90::serves_decode(info.sm_major, problem.head_dim, problem.num_qo_heads,
-                           problem.num_kv_heads, problem.q_dtype, problem.kv.dtype)) {
-    return false;
-  }
-  const auto aligned = [](const void* data, std::initializer_list<int64_t> strides) {
-    if (reinterpret_cast<uintptr_t>(data) % kVectorBytes != 0) return false;
-    for (const int64_t stride : strides) {
-      if (stride % kVectorElements != 0) return false;
-    }
-    return true;
-  };
-  const KVSource& kv = problem.kv;
-  return kv.paged && aligned(problem.q, {problem.q_stride_token, problem.q_stride_head}) &&
-         aligned(problem.o, {problem.o_stride_token, problem.o_stride_head}) &&
-         aligned(kv.k, {kv.k_stride_token, kv.k_stride_head, kv.k_stride_page}) &&
-         aligned(kv.v, {kv.v_stride_token, kv.v_stride_head, kv.v_stride_page});
-}
-
 // header_uploaded: see cuda_decode_attention.
 void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned char* workspace,
                  const WorkspaceLayout& layout, const CudaDeviceInfo& info, cudaStream_t stream,
                  bool header_uploaded) {
   check_prefill_arguments(plan, problem, info);
   const bool soft_cap = problem.soft_cap != 0.0f;
-  const sm80::PrefillKernel* kernel =
-      sm80::find_prefill_kernel(problem.head_dim, problem.q_dtype, soft_cap);
-  if (kernel == nullptr) {
-    throw Error(Error::Kind::kUnsupported,
-                "head_dim " + std::to_string(problem.head_dim) +
-                    " is not supported by CUDA prefill (a multiple of 8 up to 256)");
-  }
-  // The sm90 kernels, when they serve this shape; the sm80 ones serve every plan.
-  const sm90::PrefillKernel* hopper = nullptr;
-  if (sm90::prefill_unsupported_reason(info.sm_major, problem.head_dim, problem.num_qo_heads,
-                                       problem.num_kv_heads, problem.q_dtype, problem.kv.dtype)
-          .empty()) {
-    // 176- and 192-key tiles need ragged K/V (pages of 32 or 64 keys do not tile 176, pages
-    // of 128 do not tile 192) and no mask beyond the request's length (causal and window tiles
-    // would straddle the mask more).
-    const bool wide_tiles = !problem.kv.paged && !problem.mask.causal &&
-                            problem.mask.window_left < 0 && problem.mask.window_right < 0;
-    const int64_t shortest_kv_len =
-        plan.kv_lens.empty() ? 0 : *std::min_element(plan.kv_lens.begin(), plan.kv_lens.end());
-    hopper = sm90::find_prefill_kernel(
-        problem.head_dim, problem.q_dtype, soft_cap, wide_tiles, shortest_kv_len,
-        sm90::page_by_page_v(problem.head_dim, problem.kv.paged, problem.kv.page_size));
-    if (hopper != nullptr && hopper->smem_bytes > info.max_smem_per_block_optin) hopper = nullptr;
-  }
-  if (hopper == nullptr && kernel->smem_bytes > info.max_smem_per_block_optin) {
-    throw Error(Error::Kind::kUnsupported,
-                "head_dim " + std::to_string(problem.head_dim) + ": " + kernel->name + " needs " +
-                    std::to_string(kernel->smem_bytes) +
-                    " bytes of shared memory per block, device " + std::to_string(info.device) +
-                    " (" + info.name + ") allows " + std::to_string(info.max_smem_per_block_optin));
-  }
-
+  // A plan from plan_*() carries its row; one built by hand (tests) is given one here, by the
+  // same selection.
+  const KernelChoice chosen = plan.kernel_id >= 0
+                                  ? KernelChoice{plan.kernel_id, plan.kernel_options, {}}
+                                  : select_kernel(plan);
+  const KernelRow& row = kernel_row(chosen.kernel_id);
+  const uint32_t options = chosen.options;
   PrefillArgs args;
   args.problem = problem;
   args.work = reinterpret_cast<const WorkItem*>(workspace + layout.work);
@@ -347,11 +306,23 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
   // Nothing to attend (no queries). A fixed-capacity plan launches anyway: a graph captured
   // with it must serve later plans of that capacity (an empty worker range is a no-op).
   if (args.num_workers == 0 || (plan.work.empty() && !plan.capacity.fixed())) return;
-  std::string why_not_sm90;
-  if (hopper != nullptr && hopper->try_launch(args, stream, &why_not_sm90)) {
-    last_prefill_kernel() = hopper->name;
-  } else {
-    kernel->launch(args, stream);
+  std::string& fallback = last_prefill_fallback();
+  fallback.clear();
+  const KernelInstance* kernel = row.instance(problem.q_dtype, problem.kv.dtype);
+  if (kernel != nullptr && kernel->try_prefill != nullptr) {
+    if (kernel->try_prefill(args, options, stream, &fallback)) {
+      last_prefill_kernel() = kernel->name;
+      kernel = nullptr;  // launched
+    } else {
+      // TMA cannot describe q (the reason is in `fallback`): the sm80 row of this shape.
+      const KernelRow* portable = sm80_prefill_row(problem.head_dim, soft_cap);
+      kernel = portable != nullptr ? portable->instance(problem.q_dtype, problem.kv.dtype)
+                                   : nullptr;
+      if (kernel == nullptr) throw Error(Error::Kind::kUnsupported, "CUDA prefill: " + fallback);
+    }
+  }
+  if (kernel != nullptr) {
+    kernel->prefill(args, stream);
     last_prefill_kernel() = kernel->name;
   }
 
@@ -374,6 +345,7 @@ void run_prefill(const Plan& plan, const AttentionProblem& problem, unsigned cha
 }  // namespace
 
 const char* cuda_last_prefill_kernel() { return last_prefill_kernel().c_str(); }
+const char* cuda_last_prefill_fallback() { return last_prefill_fallback().c_str(); }
 
 uint64_t cuda_staging_overflow_uploads() { return StagingPool::instance().overflow_uploads(); }
 
@@ -451,7 +423,7 @@ void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Works
     upload_list(plan.work, base, layout.work, cuda_stream);
   }
 
-  if (plan.op == AttentionOp::kDecode && !sm90_decode(problem, info)) {
+  if (plan.op == AttentionOp::kDecode) {
     cuda_decode_attention(plan, problem, workspace, stream, uploaded);
     return;
   }

@@ -33,10 +33,9 @@ uint64_t cuda_stream_capture_id(void* stream);  // 0: not capturing
 PlanConfig cuda_plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int head_dim,
                             DType kv_dtype_hint, int device, int64_t batch = 0);
 
-// One line for `tessera plan --explain`: which kernel family will serve (op, heads, head_dim)
-// on `device`, and why.
-std::string cuda_plan_kernel_note(AttentionOp op, int num_qo_heads, int num_kv_heads,
-                                  int head_dim, int device, int64_t batch = 0);
+// Chooses the kernel registry row that serves `plan` (cuda/kernel_select.cpp) and records it
+// in plan.kernel_id, plan.kernel_options and plan.kernel (the row and why, for explain()).
+void cuda_choose_kernel(Plan& plan);
 
 // How the sm80 decode kernels serve decode of (heads, head_dim) with `kv_dtype` K/V (= q) on
 // `info`, one query token per request (src/cuda/sm80/decode.cu; `tessera plan --explain`).
@@ -49,10 +48,13 @@ CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, in
                                           DType kv_dtype, const CudaDeviceInfo& info,
                                           int64_t batch = 0);
 
-// The name of the prefill kernel this thread launched last, and of the sm80 decode kernel its
-// last sm80 decode run launched ("" when that run launched none) - tests check which ran.
+// The name of the prefill kernel this thread launched last, and of the decode kernel its last
+// decode run launched ("" when that run launched none) - tests check which ran. The fallbacks:
+// why this thread's last run did not launch its plan's row ("" when it did).
 const char* cuda_last_prefill_kernel();
 const char* cuda_last_decode_kernel();
+const char* cuda_last_prefill_fallback();
+const char* cuda_last_decode_fallback();
 
 // Copies the plan's header and lists into the workspace (WorkspaceLayout) with one
 // cudaMemcpyAsync from a pinned staging buffer of a per-device pool; does not synchronise.

@@ -15,13 +15,6 @@
 
 namespace tessera::detail {
 
-// A switch that is on unless the environment variable `name` is "0" (the kernels' timing knobs,
-// e.g. TESSERA_DECODE_PREFETCH; callers read it once).
-inline bool on_unless_zero(const char* name) {
-  const char* text = std::getenv(name);
-  return text == nullptr || std::string(text) != "0";
-}
-
 inline std::string cuda_error_text(cudaError_t status) {
   return std::string(cudaGetErrorName(status)) + " (" + cudaGetErrorString(status) + ")";
 }

@@ -7,13 +7,10 @@
 
 namespace tessera::detail::sm80 {
 
-const DecodeKernel* decode_kernel_d128(DType q_dtype, DType kv_dtype, int rows_per_thread) {
-  return select_decode_kernel<128>(q_dtype, kv_dtype, rows_per_thread);
-}
-
-const DecodeKernel* decode_mma_kernel_d128(DType q_dtype, DType kv_dtype, bool full_rows,
-                                           int variant) {
-  return select_decode_mma_kernel<128>(q_dtype, kv_dtype, full_rows, variant);
+// Tensor-core rows first: select_kernel prefers them where they serve.
+void add_decode_rows_d128(KernelRows& rows) {
+  add_decode_mma_rows<128>(rows);
+  add_decode_rows<128>(rows);
 }
 
 }  // namespace tessera::detail::sm80

@@ -26,6 +26,8 @@
 
 #include "core/problem.hpp"
 #include "cuda/cuda_utils.hpp"
+#include "cuda/kernel_entry.cuh"
+#include "cuda/kernel_registry.hpp"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/cp_async_sized.cuh"
 #include "cuda/ptx/math.cuh"
@@ -537,91 +539,56 @@ const char* decode_kernel_name() {
   return name.text;
 }
 
-// Opts the kernel into its dynamic shared memory (> 48 KiB) once per device.
 template <class Traits, DType kQDType, DType kKVDType>
-void enable_decode_smem() {
-  static std::atomic<uint64_t> configured_devices{0};
-  enable_dynamic_smem_once(decode_kernel<Traits, kQDType, kKVDType>, Traits::kSmemBytes,
-                           decode_kernel_name<Traits, kQDType, kKVDType>(), configured_devices);
-}
+using DecodeEntry = KernelEntry<DecodeArgs, decode_kernel<Traits, kQDType, kKVDType>, Traits,
+                                decode_kernel_name<Traits, kQDType, kKVDType>>;
 
 template <class Traits, DType kQDType, DType kKVDType>
 void launch_decode(const DecodeArgs& args, void* stream) {
-  if (args.num_workers <= 0) return;
-  enable_decode_smem<Traits, kQDType, kKVDType>();
-  const dim3 grid(static_cast<unsigned>(args.num_workers));
-  const dim3 block(Traits::kNumThreads);
-  decode_kernel<Traits, kQDType, kKVDType>
-      <<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args);
-  check_kernel_launch(decode_kernel_name<Traits, kQDType, kKVDType>(), grid, block,
-                      Traits::kSmemBytes);
-}
-
-template <class Traits, DType kQDType, DType kKVDType>
-int decode_max_ctas_per_sm(int device) {
-  try {
-    CudaDeviceGuard guard(device);
-    enable_decode_smem<Traits, kQDType, kKVDType>();
-    int ctas = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                   &ctas, decode_kernel<Traits, kQDType, kKVDType>, Traits::kNumThreads,
-                   Traits::kSmemBytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return ctas;
-  } catch (const Error&) {
-    cudaGetLastError();  // clear the error the query left behind: the caller sees 0
-    return 0;
-  }
+  DecodeEntry<Traits, kQDType, kKVDType>::launch(args, args.num_workers, stream);
 }
 
 template <int kHeadDim, DType kQDType, DType kKVDType, int kRowsPerThread>
-DecodeKernel make_decode_kernel() {
+KernelInstance decode_instance() {
   using Traits = DecodeTraits<kHeadDim, KVElement<kKVDType>::kBytes, kRowsPerThread>;
-  return DecodeKernel{decode_kernel_name<Traits, kQDType, kKVDType>(),
-                      Traits::kHeadDim,
-                      Traits::kRowsPerThread,
-                      Traits::kNumThreads,
-                      Traits::kSmemBytes,
-                      &launch_decode<Traits, kQDType, kKVDType>,
-                      &decode_max_ctas_per_sm<Traits, kQDType, kKVDType>};
+  KernelInstance instance;
+  instance.q_dtype = kQDType;
+  instance.kv_dtype = kKVDType;
+  instance.name = decode_kernel_name<Traits, kQDType, kKVDType>();
+  instance.decode = &launch_decode<Traits, kQDType, kKVDType>;
+  instance.max_ctas_per_sm = &DecodeEntry<Traits, kQDType, kKVDType>::max_ctas_per_sm;
+  return instance;
 }
 
-// The three row-slot heights of one (head_dim, q dtype, kv dtype).
-template <int kHeadDim, DType kQDType, DType kKVDType>
-const DecodeKernel* select_decode_rows(int rows_per_thread) {
-  static const DecodeKernel kernels[3] = {make_decode_kernel<kHeadDim, kQDType, kKVDType, 1>(),
-                                          make_decode_kernel<kHeadDim, kQDType, kKVDType, 2>(),
-                                          make_decode_kernel<kHeadDim, kQDType, kKVDType, 4>()};
-  switch (rows_per_thread) {
-    case 1: return &kernels[0];
-    case 2: return &kernels[1];
-    case 4: return &kernels[2];
-    default: return nullptr;
-  }
+// One row per row-slot height: q fp16/bf16 x K/V (q's dtype, e4m3, e5m2). The fp8 instances
+// have other traits (1-byte elements) but the same rows and threads; the row shows the 2-byte
+// one.
+template <int kHeadDim, int kRowsPerThread>
+KernelRow decode_row() {
+  using Traits = DecodeTraits<kHeadDim, 2, kRowsPerThread>;
+  KernelRow row;
+  row.family = KernelFamily::kSm80Decode;
+  row.shape.head_dim = Traits::kHeadDim;
+  row.shape.num_threads = Traits::kNumThreads;
+  row.shape.smem_bytes = Traits::kSmemBytes;
+  row.shape.rows = Traits::kRowsPerThread;
+  constexpr DType kF16 = DType::kFloat16, kB16 = DType::kBFloat16;
+  constexpr DType kE4M3 = DType::kFloat8E4M3, kE5M2 = DType::kFloat8E5M2;
+  row.instances = {decode_instance<kHeadDim, kF16, kF16, kRowsPerThread>(),
+                   decode_instance<kHeadDim, kF16, kE4M3, kRowsPerThread>(),
+                   decode_instance<kHeadDim, kF16, kE5M2, kRowsPerThread>(),
+                   decode_instance<kHeadDim, kB16, kB16, kRowsPerThread>(),
+                   decode_instance<kHeadDim, kB16, kE4M3, kRowsPerThread>(),
+                   decode_instance<kHeadDim, kB16, kE5M2, kRowsPerThread>()};
+  return row;
 }
 
-template <int kHeadDim, DType kQDType>
-const DecodeKernel* select_decode_kv(DType kv_dtype, int rows_per_thread) {
-  if (kv_dtype == kQDType) return select_decode_rows<kHeadDim, kQDType, kQDType>(rows_per_thread);
-  if (kv_dtype == DType::kFloat8E4M3) {
-    return select_decode_rows<kHeadDim, kQDType, DType::kFloat8E4M3>(rows_per_thread);
-  }
-  if (kv_dtype == DType::kFloat8E5M2) {
-    return select_decode_rows<kHeadDim, kQDType, DType::kFloat8E5M2>(rows_per_thread);
-  }
-  return nullptr;
-}
-
-// The 18 kernels of one head_dim bucket: q fp16/bf16 x kv (same, e4m3, e5m2) x rows 1/2/4.
+// The three row-slot heights (1, 2, 4) of one head_dim bucket: 18 kernels.
 template <int kHeadDim>
-const DecodeKernel* select_decode_kernel(DType q_dtype, DType kv_dtype, int rows_per_thread) {
-  switch (q_dtype) {
-    case DType::kFloat16:
-      return select_decode_kv<kHeadDim, DType::kFloat16>(kv_dtype, rows_per_thread);
-    case DType::kBFloat16:
-      return select_decode_kv<kHeadDim, DType::kBFloat16>(kv_dtype, rows_per_thread);
-    default: return nullptr;
-  }
+void add_decode_rows(KernelRows& rows) {
+  rows.push_back(decode_row<kHeadDim, 1>());
+  rows.push_back(decode_row<kHeadDim, 2>());
+  rows.push_back(decode_row<kHeadDim, 4>());
 }
 
 }  // namespace tessera::detail::sm80

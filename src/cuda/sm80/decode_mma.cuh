@@ -495,7 +495,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads)
                         : make_decode_item(args, args.work[index]);
     const bool offsets_ready = next.offsets_ready;
     next.item_ready = next.offsets_ready = false;
-    const int32_t next_index = args.prefetch_next && index + 1 < end ? index + 1 : -1;
+    const int32_t next_index = index + 1 < end ? index + 1 : -1;
     MmaWarpState<Traits> state;
     mma_load_rows<Traits, kDType>(args, item, lane, state);
     mma_key_loop<Traits, kDType>(args, item, shared, warp, lane, state, parity, offsets_ready,
@@ -524,86 +524,59 @@ const char* decode_mma_kernel_name() {
 }
 
 template <class Traits, DType kDType>
-void enable_decode_mma_smem() {
-  static std::atomic<uint64_t> configured_devices{0};
-  enable_dynamic_smem_once(decode_mma_kernel<Traits, kDType>, Traits::kSmemBytes,
-                           decode_mma_kernel_name<Traits, kDType>(), configured_devices);
-}
+using DecodeMmaEntry = KernelEntry<DecodeArgs, decode_mma_kernel<Traits, kDType>, Traits,
+                                   decode_mma_kernel_name<Traits, kDType>>;
 
 template <class Traits, DType kDType>
 void launch_decode_mma(const DecodeArgs& args, void* stream) {
-  if (args.num_workers <= 0) return;
-  enable_decode_mma_smem<Traits, kDType>();
-  const dim3 grid(static_cast<unsigned>(args.num_workers));
-  const dim3 block(Traits::kNumThreads);
-  decode_mma_kernel<Traits, kDType>
-      <<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args);
-  check_kernel_launch(decode_mma_kernel_name<Traits, kDType>(), grid, block, Traits::kSmemBytes);
+  DecodeMmaEntry<Traits, kDType>::launch(args, args.num_workers, stream);
 }
 
 template <class Traits, DType kDType>
-int decode_mma_max_ctas_per_sm(int device) {
-  try {
-    CudaDeviceGuard guard(device);
-    enable_decode_mma_smem<Traits, kDType>();
-    int ctas = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                   &ctas, decode_mma_kernel<Traits, kDType>, Traits::kNumThreads,
-                   Traits::kSmemBytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return ctas;
-  } catch (const Error&) {
-    cudaGetLastError();
-    return 0;
-  }
+KernelInstance decode_mma_instance() {
+  KernelInstance instance;
+  instance.q_dtype = instance.kv_dtype = kDType;
+  instance.name = decode_mma_kernel_name<Traits, kDType>();
+  instance.decode = &launch_decode_mma<Traits, kDType>;
+  instance.max_ctas_per_sm = &DecodeMmaEntry<Traits, kDType>::max_ctas_per_sm;
+  return instance;
 }
 
-template <int kHeadDim, DType kDType, int kWarps, int kStages, bool kFullRows>
-DecodeKernel make_decode_mma_kernel() {
+// Variant (core/tuning.hpp) = (warps, stages): 1 = (4, 3), 2 = (4, 4), 3 = (2, 6), 4 = (2, 3),
+// 5 = (2, 4); items of <= 8 (kFullRows false) or <= 16 packed rows; fp16 and bf16.
+template <int kHeadDim, int kVariant, int kWarps, int kStages, bool kFullRows>
+KernelRow decode_mma_row() {
   using Traits = DecodeMmaTraits<kHeadDim, kWarps, kStages, kFullRows>;
-  return DecodeKernel{decode_mma_kernel_name<Traits, kDType>(),
-                      Traits::kHeadDim,
-                      Traits::kMaxRows,
-                      Traits::kNumThreads,
-                      Traits::kSmemBytes,
-                      &launch_decode_mma<Traits, kDType>,
-                      &decode_mma_max_ctas_per_sm<Traits, kDType>};
+  KernelRow row;
+  row.family = KernelFamily::kSm80DecodeMma;
+  row.features = kFullRows ? kKernelFullRows : 0u;
+  row.shape.head_dim = Traits::kHeadDim;
+  row.shape.num_threads = Traits::kNumThreads;
+  row.shape.stages = Traits::kStages;
+  row.shape.smem_bytes = Traits::kSmemBytes;
+  row.shape.rows = Traits::kMaxRows;
+  row.shape.variant = kVariant;
+  row.instances = {decode_mma_instance<Traits, DType::kFloat16>(),
+                   decode_mma_instance<Traits, DType::kBFloat16>()};
+  return row;
 }
 
-// Variant v (1..kDecodeMmaVariants) -> (warps, stages): see decode.cu.
-template <int kHeadDim, DType kDType, bool kFullRows>
-const DecodeKernel* select_decode_mma_variant(int variant) {
-  static const DecodeKernel kernels[5] = {
-      make_decode_mma_kernel<kHeadDim, kDType, 4, 3, kFullRows>(),
-      make_decode_mma_kernel<kHeadDim, kDType, 4, 4, kFullRows>(),
-      make_decode_mma_kernel<kHeadDim, kDType, 2, 6, kFullRows>(),
-      make_decode_mma_kernel<kHeadDim, kDType, 2, 3, kFullRows>(),
-      make_decode_mma_kernel<kHeadDim, kDType, 2, 4, kFullRows>()};
-  if (variant < 1 || variant > 5) return nullptr;
-  return &kernels[variant - 1];
+template <int kHeadDim, bool kFullRows>
+void add_decode_mma_variants(KernelRows& rows) {
+  rows.push_back(decode_mma_row<kHeadDim, 1, 4, 3, kFullRows>());
+  rows.push_back(decode_mma_row<kHeadDim, 2, 4, 4, kFullRows>());
+  rows.push_back(decode_mma_row<kHeadDim, 3, 2, 6, kFullRows>());
+  rows.push_back(decode_mma_row<kHeadDim, 4, 2, 3, kFullRows>());
+  rows.push_back(decode_mma_row<kHeadDim, 5, 2, 4, kFullRows>());
 }
 
-// Tensor-core kernels of one head_dim bucket: q = K/V dtype fp16/bf16, rows <= 8 or <= 16.
-// d256 has none: 256 dims of accumulators plus the Q fragments spill at 255 registers; it
-// keeps the CUDA-core kernel.
+// Tensor-core rows of one head_dim bucket. d256 has none: 256 dims of accumulators plus the Q
+// fragments spill at 255 registers; it keeps the CUDA-core kernel.
 template <int kHeadDim>
-const DecodeKernel* select_decode_mma_kernel(DType q_dtype, DType kv_dtype, bool full_rows,
-                                             int variant) {
-  if (q_dtype != kv_dtype) return nullptr;
-  if constexpr (kHeadDim > 128) {
-    (void)full_rows;
-    (void)variant;
-    return nullptr;
-  } else {
-    switch (q_dtype) {
-      case DType::kFloat16:
-        return full_rows ? select_decode_mma_variant<kHeadDim, DType::kFloat16, true>(variant)
-                         : select_decode_mma_variant<kHeadDim, DType::kFloat16, false>(variant);
-      case DType::kBFloat16:
-        return full_rows ? select_decode_mma_variant<kHeadDim, DType::kBFloat16, true>(variant)
-                         : select_decode_mma_variant<kHeadDim, DType::kBFloat16, false>(variant);
-      default: return nullptr;
-    }
+void add_decode_mma_rows(KernelRows& rows) {
+  if constexpr (kHeadDim <= 128) {
+    add_decode_mma_variants<kHeadDim, false>(rows);
+    add_decode_mma_variants<kHeadDim, true>(rows);
   }
 }
 

@@ -137,38 +137,6 @@ struct DecodeArgs {
   float output_scale = 1.0f;
   // Largest power of two <= 16 dividing every K/V row address: the cp.async width.
   int32_t copy_granularity = 16;
-  // Tensor-core kernel: prepare the next work item during the current one (decode_mma.cuh;
-  // TESSERA_DECODE_PREFETCH=0 turns it off, to time the two side by side).
-  bool prefetch_next = true;
 };
-
-// One compiled decode kernel and its launch shape (the dispatch table entry).
-struct DecodeKernel {
-  const char* name;
-  int head_dim;         // instantiated head_dim (64, 128, 256)
-  int rows_per_thread;  // query rows per row slot
-  int num_threads;
-  size_t smem_bytes;
-  void (*launch)(const DecodeArgs& args, void* stream);
-  int (*max_ctas_per_sm)(int device);  // resident CTAs per SM (0 when it cannot run)
-};
-
-// Tables per head_dim bucket, one translation unit each (decode_d64.cu, decode_d128.cu,
-// decode_d256.cu). q_dtype: fp16 / bf16; kv_dtype: q_dtype, e4m3 or e5m2; rows_per_thread:
-// 1, 2 or 4. nullptr for any other combination.
-const DecodeKernel* decode_kernel_d64(DType q_dtype, DType kv_dtype, int rows_per_thread);
-const DecodeKernel* decode_kernel_d128(DType q_dtype, DType kv_dtype, int rows_per_thread);
-const DecodeKernel* decode_kernel_d256(DType q_dtype, DType kv_dtype, int rows_per_thread);
-
-// Tensor-core kernels (decode_mma.cuh) per head_dim bucket: q_dtype == kv_dtype (fp16/bf16),
-// items of <= 8 packed rows (full_rows false) or <= 16 (full_rows true); d256 returns nullptr;
-// variant 1..5 picks (warps, stages) = (4, 3), (4, 4), (2, 6), (2, 3), (2, 4). nullptr when not
-// instantiated.
-const DecodeKernel* decode_mma_kernel_d64(DType q_dtype, DType kv_dtype, bool full_rows,
-                                          int variant);
-const DecodeKernel* decode_mma_kernel_d128(DType q_dtype, DType kv_dtype, bool full_rows,
-                                           int variant);
-const DecodeKernel* decode_mma_kernel_d256(DType q_dtype, DType kv_dtype, bool full_rows,
-                                           int variant);
 
 }  // namespace tessera::detail::sm80

@@ -5,8 +5,10 @@
 
 namespace tessera::detail::sm80 {
 
-const PrefillKernel* prefill_kernel_d128(DType dtype, bool soft_cap) {
-  return select_prefill_variant<128>(dtype, soft_cap);
+// Tile variants 0..1 (prefill_traits.cuh), each with soft-cap off and on.
+void add_prefill_rows_d128(KernelRows& rows) {
+  add_prefill_rows<PrefillTraits<128>>(rows);
+  add_prefill_rows<PrefillVariantTraits<128, 1>>(rows);
 }
 
 }  // namespace tessera::detail::sm80

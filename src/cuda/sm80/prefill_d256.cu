@@ -5,8 +5,11 @@
 
 namespace tessera::detail::sm80 {
 
-const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap) {
-  return select_prefill_variant<256>(dtype, soft_cap);
+// Tile variants 0..2 (prefill_traits.cuh), each with soft-cap off and on.
+void add_prefill_rows_d256(KernelRows& rows) {
+  add_prefill_rows<PrefillTraits<256>>(rows);
+  add_prefill_rows<PrefillVariantTraits<256, 1>>(rows);
+  add_prefill_rows<PrefillVariantTraits<256, 2>>(rows);
 }
 
 }  // namespace tessera::detail::sm80

@@ -32,9 +32,12 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "core/problem.hpp"
 #include "cuda/cuda_utils.hpp"
+#include "cuda/kernel_entry.cuh"
+#include "cuda/kernel_registry.hpp"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/math.cuh"
@@ -414,103 +417,45 @@ const char* prefill_kernel_name() {
   return name.c_str();
 }
 
-// Opts the kernel into more than 48 KiB of dynamic shared memory on the current device (once).
 template <class Traits, DType kDType, bool kSoftCap>
-void enable_prefill_smem() {
-  static std::atomic<uint64_t> configured_devices{0};
-  enable_dynamic_smem_once(prefill_kernel<Traits, kDType, kSoftCap>, Traits::kSmemBytes,
-                           prefill_kernel_name<Traits, kDType, kSoftCap>(), configured_devices);
-}
+using PrefillEntry = KernelEntry<PrefillArgs, prefill_kernel<Traits, kDType, kSoftCap>, Traits,
+                                 prefill_kernel_name<Traits, kDType, kSoftCap>>;
 
 template <class Traits, DType kDType, bool kSoftCap>
 void launch_prefill(const PrefillArgs& args, void* stream) {
-  if (args.num_workers <= 0) return;
-  enable_prefill_smem<Traits, kDType, kSoftCap>();
-  const dim3 grid(static_cast<unsigned>(args.num_workers));
-  const dim3 block(Traits::kNumThreads);
-  prefill_kernel<Traits, kDType, kSoftCap>
-      <<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(args);
-  check_kernel_launch(prefill_kernel_name<Traits, kDType, kSoftCap>(), grid, block,
-                      Traits::kSmemBytes);
+  PrefillEntry<Traits, kDType, kSoftCap>::launch(args, args.num_workers, stream);
 }
 
 template <class Traits, DType kDType, bool kSoftCap>
-int prefill_max_ctas_per_sm(int device) {
-  try {
-    CudaDeviceGuard guard(device);
-    enable_prefill_smem<Traits, kDType, kSoftCap>();
-    int ctas = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                   &ctas, prefill_kernel<Traits, kDType, kSoftCap>, Traits::kNumThreads,
-                   Traits::kSmemBytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return ctas;
-  } catch (const Error&) {
-    cudaGetLastError();  // clear the error this query left behind: the caller sees 0
-    return 0;
-  }
+KernelInstance prefill_instance() {
+  KernelInstance instance;
+  instance.q_dtype = instance.kv_dtype = kDType;
+  instance.name = prefill_kernel_name<Traits, kDType, kSoftCap>();
+  instance.prefill = &launch_prefill<Traits, kDType, kSoftCap>;
+  instance.max_ctas_per_sm = &PrefillEntry<Traits, kDType, kSoftCap>::max_ctas_per_sm;
+  return instance;
 }
 
-template <class Traits, DType kDType, bool kSoftCap>
-PrefillKernel make_prefill_kernel() {
-  return PrefillKernel{prefill_kernel_name<Traits, kDType, kSoftCap>(),
-                       Traits::kHeadDim,
-                       Traits::kBlockM,
-                       Traits::kBlockN,
-                       Traits::kNumThreads,
-                       Traits::kStages,
-                       Traits::kSmemBytes,
-                       &launch_prefill<Traits, kDType, kSoftCap>,
-                       &prefill_max_ctas_per_sm<Traits, kDType, kSoftCap>};
-}
-
-// The four kernels of one head_dim bucket (fp16/bf16 x soft-cap off/on).
-template <class Traits>
-const PrefillKernel* select_prefill_kernel(DType dtype, bool soft_cap) {
-  using SoftCapTraits = typename PrefillSoftCapTraits<Traits>::type;
-  static_assert(SoftCapTraits::kBlockM == Traits::kBlockM &&
-                    SoftCapTraits::kBlockN == Traits::kBlockN,
+template <class Traits, bool kSoftCap>
+KernelRow prefill_row() {
+  using Shape = std::conditional_t<kSoftCap, typename PrefillSoftCapTraits<Traits>::type, Traits>;
+  static_assert(Shape::kBlockM == Traits::kBlockM && Shape::kBlockN == Traits::kBlockN,
                 "the planner sizes work items for both kernels of a pair");
-  static const PrefillKernel kernels[2][2] = {
-      {make_prefill_kernel<Traits, DType::kFloat16, false>(),
-       make_prefill_kernel<SoftCapTraits, DType::kFloat16, true>()},
-      {make_prefill_kernel<Traits, DType::kBFloat16, false>(),
-       make_prefill_kernel<SoftCapTraits, DType::kBFloat16, true>()}};
-  switch (dtype) {
-    case DType::kFloat16: return &kernels[0][soft_cap ? 1 : 0];
-    case DType::kBFloat16: return &kernels[1][soft_cap ? 1 : 0];
-    default: return nullptr;
-  }
+  KernelRow row;
+  row.family = KernelFamily::kSm80Prefill;
+  row.features = kSoftCap ? kKernelSoftCap : 0u;
+  row.shape = {Shape::kHeadDim, Shape::kBlockM,    Shape::kBlockN,    Shape::kNumThreads,
+               Shape::kStages,  Shape::kSmemBytes, 0,                 Shape::kVariant};
+  row.instances = {prefill_instance<Shape, DType::kFloat16, kSoftCap>(),
+                   prefill_instance<Shape, DType::kBFloat16, kSoftCap>()};
+  return row;
 }
 
-// Compute capability >= 9.0 for the current device (false when there is none).
-inline bool current_device_is_sm90() {
-  int device = 0;
-  int major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return major >= 9;
-}
-
-// The bucket's kernels for the run-time variant (prefill_variant(), prefill_api.hpp): variant 0
-// is PrefillTraits<kHeadDim>, 1 and 2 are PrefillVariantTraits (prefill_traits.cuh).
-template <int kHeadDim>
-const PrefillKernel* select_prefill_variant(DType dtype, bool soft_cap) {
-  const int chosen = prefill_variant();
-  switch (chosen >= 0 ? chosen : kDefaultPrefillVariant<kHeadDim>) {
-    case 1: return select_prefill_kernel<PrefillVariantTraits<kHeadDim, 1>>(dtype, soft_cap);
-    case 2:
-      if constexpr (kHeadDim == 128) {
-        return select_prefill_kernel<PrefillVariantTraits<kHeadDim, 1>>(dtype, soft_cap);
-      } else if (!PrefillVariantTraits<kHeadDim, 2>::kNeedsSm90 || current_device_is_sm90()) {
-        return select_prefill_kernel<PrefillVariantTraits<kHeadDim, 2>>(dtype, soft_cap);
-      }
-      return select_prefill_kernel<PrefillTraits<kHeadDim>>(dtype, soft_cap);
-    default: return select_prefill_kernel<PrefillTraits<kHeadDim>>(dtype, soft_cap);
-  }
+// The rows of one tile shape (soft-cap off / on, fp16 and bf16 each).
+template <class Traits>
+void add_prefill_rows(KernelRows& rows) {
+  rows.push_back(prefill_row<Traits, false>());
+  rows.push_back(prefill_row<Traits, true>());
 }
 
 }  // namespace tessera::detail::sm80

@@ -6,8 +6,8 @@
 
 namespace tessera::detail::sm90 {
 
-const PrefillKernel* prefill_kernel_d128_paged(DType dtype, bool soft_cap) {
-  return select_prefill_kernel<PrefillTraitsD128Paged>(dtype, soft_cap);
+void add_prefill_rows_d128_paged(KernelRows& rows) {
+  add_prefill_rows<PrefillTraitsD128Paged>(rows);
 }
 
 }  // namespace tessera::detail::sm90

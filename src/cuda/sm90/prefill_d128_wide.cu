@@ -6,8 +6,9 @@
 
 namespace tessera::detail::sm90 {
 
-const PrefillKernel* prefill_kernel_d128_wide(DType dtype) {
-  return select_prefill_kernel_no_soft_cap<PrefillTraitsD128Wide>(dtype);
+void add_prefill_rows_d128_wide(KernelRows& rows) {
+  rows.push_back(prefill_row<PrefillTraitsD128Wide, false>(kKernelWideTiles));
+  // No soft-cap row: soft-cap plans take the 128-key rows.
 }
 
 }  // namespace tessera::detail::sm90

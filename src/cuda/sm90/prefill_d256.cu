@@ -5,8 +5,8 @@
 
 namespace tessera::detail::sm90 {
 
-const PrefillKernel* prefill_kernel_d256(DType dtype, bool soft_cap) {
-  return select_prefill_kernel<PrefillTraits<256>>(dtype, soft_cap);
+void add_prefill_rows_d256(KernelRows& rows) {
+  add_prefill_rows<PrefillTraits<256>>(rows);
 }
 
 }  // namespace tessera::detail::sm90

@@ -5,8 +5,8 @@
 
 namespace tessera::detail::sm90 {
 
-const PrefillKernel* prefill_kernel_d64(DType dtype, bool soft_cap) {
-  return select_prefill_kernel<PrefillTraits<64>>(dtype, soft_cap);
+void add_prefill_rows_d64(KernelRows& rows) {
+  add_prefill_rows<PrefillTraits<64>>(rows);
 }
 
 }  // namespace tessera::detail::sm90

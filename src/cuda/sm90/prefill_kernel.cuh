@@ -21,6 +21,8 @@
 
 #include "core/problem.hpp"
 #include "cuda/cuda_utils.hpp"
+#include "cuda/kernel_entry.cuh"
+#include "cuda/kernel_registry.hpp"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/shared_memory.cuh"
 #include "cuda/ptx/warpgroup.cuh"
@@ -110,10 +112,11 @@ inline int32_t shift_of(int32_t x) {
              : -1;
 }
 
-// Builds the kernel parameters; false (with the reason) when TMA cannot read q - the caller then
-// runs the sm80 kernel. K/V and o fall back to gathers and plain stores on their own.
+// Builds the kernel parameters (options: the plan's kSm90* bits); false (with the reason) when
+// TMA cannot read q - the caller then runs the sm80 kernel. K/V and o fall back to gathers and plain stores on their own.
 template <class Traits>
-bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::string* why) {
+bool make_prefill_params(const PrefillArgs& args, uint32_t options, PrefillParams* params,
+                         std::string* why) {
   const AttentionProblem& problem = args.problem;
   const int32_t group = problem.group_size();
   const int32_t tile_rows = prefill_tile_rows(Traits::kBlockM, group);
@@ -159,12 +162,8 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
     kv_tma = kv_tma && aligned;
     box_rows = std::min(page, Traits::kBlockN);
   }
-  // TESSERA_SM90_KV=gather: every key tile through the cp.async gather (for timing it).
-  static const bool gather_all = [] {
-    const char* text = std::getenv("TESSERA_SM90_KV");
-    return text != nullptr && std::string(text) == "gather";
-  }();
-  if (gather_all) kv_tma = false;
+  // The plan's kSm90GatherKV: every key tile through the cp.async gather (tests the fallback).
+  if ((options & kSm90GatherKV) != 0) kv_tma = false;
   kv_tma =
       kv_tma &&
       encode_kv_map<Traits>(&params->k_map, problem, false, box_rows, k_heads_first, &reason) &&
@@ -173,11 +172,6 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
   params->kv_heads_first = k_heads_first ? 1 : 0;
   params->kv_box_rows = kv.paged ? box_rows : 0;
   params->page_shift = kv.paged ? shift_of(kv.page_size) : -1;
-  // K one tile ahead of V (the consumers' order). TESSERA_SM90_K_AHEAD=0 restores K(t), V(t)
-  // to time the two side by side (docs/PERF.md, 2026-12-03 night: page 64 0.89x -> 0.93x of
-  // ragged, page 16 and ragged unchanged).
-  static const bool k_ahead = on_unless_zero("TESSERA_SM90_K_AHEAD");
-  params->k_ahead = k_ahead ? 1 : 0;
   // Page-by-page V (Traits::kVPageBoxes): one 5-d box per page, {64 columns, the page's rows,
   // every column block (64 elements apart), head, page} - its strides are not increasing, which
   // the driver accepts. Without that map (or with pages of a whole key tile) V keeps the usual
@@ -205,60 +199,44 @@ bool make_prefill_params(const PrefillArgs& args, PrefillParams* params, std::st
 }
 
 template <class Traits, DType kDType, bool kSoftCap>
-bool try_launch_prefill(const PrefillArgs& args, void* stream, std::string* why) {
+bool try_launch_prefill(const PrefillArgs& args, uint32_t options, void* stream,
+                        std::string* why) {
   PrefillParams params;
-  if (!make_prefill_params<Traits>(args, &params, why)) return false;
-  if (args.num_workers <= 0) return true;
-  static std::atomic<uint64_t> configured_devices{0};
-  const char* name = prefill_kernel_name<Traits, kDType, kSoftCap>();
-  enable_dynamic_smem_once(prefill_kernel<Traits, kDType, kSoftCap>, Traits::kSmemBytes, name,
-                           configured_devices);
-  const dim3 grid(static_cast<unsigned>(args.num_workers));
-  const dim3 block(Traits::kNumThreads);
-  prefill_kernel<Traits, kDType, kSoftCap>
-      <<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(params);
-  check_kernel_launch(name, grid, block, Traits::kSmemBytes);
+  if (!make_prefill_params<Traits>(args, options, &params, why)) return false;
+  KernelEntry<PrefillParams, prefill_kernel<Traits, kDType, kSoftCap>, Traits,
+              prefill_kernel_name<Traits, kDType, kSoftCap>>::launch(params, args.num_workers,
+                                                                     stream);
   return true;
 }
 
 template <class Traits, DType kDType, bool kSoftCap>
-PrefillKernel make_prefill_kernel() {
-  return PrefillKernel{prefill_kernel_name<Traits, kDType, kSoftCap>(),
-                       Traits::kHeadDim,
-                       Traits::kBlockM,
-                       Traits::kBlockN,
-                       Traits::kNumThreads,
-                       Traits::kStages,
-                       Traits::kSmemBytes,
-                       &try_launch_prefill<Traits, kDType, kSoftCap>};
+KernelInstance prefill_instance() {
+  KernelInstance instance;
+  instance.q_dtype = instance.kv_dtype = kDType;
+  instance.name = prefill_kernel_name<Traits, kDType, kSoftCap>();
+  instance.try_prefill = &try_launch_prefill<Traits, kDType, kSoftCap>;
+  return instance;
 }
 
-// The four kernels of one shape (fp16/bf16 x soft-cap off/on).
-template <class Traits>
-const PrefillKernel* select_prefill_kernel(DType dtype, bool soft_cap) {
-  static const PrefillKernel kernels[2][2] = {
-      {make_prefill_kernel<Traits, DType::kFloat16, false>(),
-       make_prefill_kernel<Traits, DType::kFloat16, true>()},
-      {make_prefill_kernel<Traits, DType::kBFloat16, false>(),
-       make_prefill_kernel<Traits, DType::kBFloat16, true>()}};
-  switch (dtype) {
-    case DType::kFloat16: return &kernels[0][soft_cap ? 1 : 0];
-    case DType::kBFloat16: return &kernels[1][soft_cap ? 1 : 0];
-    default: return nullptr;
-  }
+// The registry row of one shape with soft-cap off or on, its fp16 and bf16 instances.
+template <class Traits, bool kSoftCap>
+KernelRow prefill_row(uint32_t features) {
+  KernelRow row;
+  row.family = KernelFamily::kSm90Prefill;
+  row.features = features | (kSoftCap ? kKernelSoftCap : 0u) |
+                 (Traits::kVPageBoxes ? kKernelPagedV : 0u);
+  row.shape = {Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, Traits::kNumThreads,
+               Traits::kStages, Traits::kSmemBytes, 0, 0};
+  row.instances = {prefill_instance<Traits, DType::kFloat16, kSoftCap>(),
+                   prefill_instance<Traits, DType::kBFloat16, kSoftCap>()};
+  return row;
 }
 
-// The two kernels of a shape built without soft-cap (fp16/bf16): the wide-tile shapes
-// (find_prefill_kernel gives soft-cap the 128-key kernels; the 176-key one spills with it).
+// Both rows of a shape (soft-cap off / on).
 template <class Traits>
-const PrefillKernel* select_prefill_kernel_no_soft_cap(DType dtype) {
-  static const PrefillKernel kernels[2] = {make_prefill_kernel<Traits, DType::kFloat16, false>(),
-                                           make_prefill_kernel<Traits, DType::kBFloat16, false>()};
-  switch (dtype) {
-    case DType::kFloat16: return &kernels[0];
-    case DType::kBFloat16: return &kernels[1];
-    default: return nullptr;
-  }
+void add_prefill_rows(KernelRows& rows, uint32_t features = 0) {
+  rows.push_back(prefill_row<Traits, false>(features));
+  rows.push_back(prefill_row<Traits, true>(features));
 }
 
 }  // namespace tessera::detail::sm90

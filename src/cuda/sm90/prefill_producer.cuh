@@ -12,8 +12,7 @@
 //                cp.async.mbarrier.arrive.noinc - one arrival each when their copies land.
 // K of tile 0 goes out before Q (it does not wait for the previous tile's consumers), then Q
 // (once the consumers released the Q buffer), then K of tile 1, V of tile 0, K of tile 2, V of
-// tile 1, and so on: K one tile ahead of V, the order the consumers wait in (k_ahead; without
-// it V of tile 0 comes before K of tile 1).
+// tile 1, and so on: K one tile ahead of V, the order the consumers wait in.
 //
 // Paged caches: the page ids of the next kPageTableKeys keys are read into a shared table one
 // chunk ahead (all 128 threads, while the current chunk's copies are in flight), so no
@@ -138,13 +137,11 @@ class PrefillProducer {
       fill_page_table(tile, 0, page_base);
       ptx::named_barrier_sync(kProducerBarrier, Traits::kProducerThreads);
     }
-    // K of key tile 0, Q, then (k_ahead = 1) K of tile t + 1 before V of tile t: the order the
-    // consumers wait in (they issue S(t+1) = Q K(t+1)^T before P(t) V(t)), so a K tile is never
-    // queued behind a V tile that is needed later, nor held back by the wait for that V tile's
-    // slot. k_ahead = 0 (TESSERA_SM90_K_AHEAD=0, for timing): K(t), V(t), K(t+1), ...
-    const int ahead = params_.k_ahead;
-    for (int t = -ahead; t < n; ++t) {
-      const int k_tile = t + ahead;
+    // K of key tile 0, Q, then K of tile t + 1 before V of tile t: the order the consumers wait
+    // in (they issue S(t+1) = Q K(t+1)^T before P(t) V(t)), so a K tile is never queued behind a
+    // V tile that is needed later, nor held back by the wait for that V tile's slot.
+    for (int t = -1; t < n; ++t) {
+      const int k_tile = t + 1;
       if (k_tile < n) {
         // Publishes chunk k_tile / kChunkTiles before its first read (filled a chunk ago).
         if (kv.paged && k_tile > 0 && k_tile % kChunkTiles == 0) {

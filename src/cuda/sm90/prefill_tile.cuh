@@ -31,9 +31,6 @@ struct alignas(128) PrefillParams {
   // 8 that divides or is divided by BLOCK_N).
   int32_t kv_box_rows = 0;
   int32_t o_tma = 0;  // 1: whole output tiles leave through a TMA store
-  // 1 (default): the producer loads K of key tile t + 1 before V of tile t; 0: K and V of
-  // tile t, then tile t + 1 (TESSERA_SM90_K_AHEAD=0, for timing).
-  int32_t k_ahead = 1;
   // log2(page_size) when the page size is a power of two, else -1: the gather then finds a
   // key's page with a shift instead of a division.
   int32_t page_shift = -1;

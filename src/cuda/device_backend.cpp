@@ -1,0 +1,48 @@
+// The CUDA backend's entry in the core's backend table (core/device_backend.hpp).
+#include "core/device_backend.hpp"
+
+#include <string>
+
+#include "cuda/cuda_backend.hpp"
+
+namespace tessera::detail {
+namespace {
+
+std::string describe(int device) {
+  const CudaDeviceInfo& info = cuda_device_info(device);
+  return "cuda:" + std::to_string(device) + " " + info.name + " sm_" +
+         std::to_string(info.sm_major) + std::to_string(info.sm_minor) + ", " +
+         std::to_string(info.num_sms) + " SMs";
+}
+
+PlanConfig plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int head_dim,
+                       int device, int64_t batch) {
+  return cuda_plan_config(op, num_qo_heads, num_kv_heads, head_dim, DType::kBFloat16, device,
+                          batch);
+}
+
+constexpr DeviceBackend kCuda = {
+    "cuda",
+    &cuda_device_count_or_zero,
+    &cuda_stream_capture_id,
+    &describe,
+    &plan_config,
+    &cuda_choose_kernel,
+    &cuda_run_attention,
+    &cuda_upload_plan,
+    &cuda_forget_uploads,
+    &cuda_alloc,
+    &cuda_free,
+    &cuda_copy_to_host,
+    &cuda_apply_rope,
+    &cuda_append_paged_kv,
+    &cuda_block_table_to_csr,
+    &cuda_merge_state,
+    &cuda_merge_states,
+};
+
+}  // namespace
+
+const DeviceBackend* gpu_backend() { return &kCuda; }
+
+}  // namespace tessera::detail

@@ -1,0 +1,54 @@
+// One launcher for every persistent attention kernel: the shared-memory opt-in (once per
+// device), the launch of one CTA per worker, the launch check naming the kernel, and the
+// occupancy query the planner sizes its workers with. A kernel family writes only its name
+// function and its registry rows (kernel_registry.hpp).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "cuda/cuda_utils.hpp"
+
+namespace tessera::detail {
+
+// Kernel: the __global__ function, taking its parameters by value (Params).
+// Traits: kNumThreads and kSmemBytes of the kernel. Name: a function returning its name.
+template <class Params, void (*Kernel)(Params), class Traits, const char* (*Name)()>
+struct KernelEntry {
+  // Opts the kernel into its dynamic shared memory (> 48 KiB) on the current device, once.
+  static void enable_smem() {
+    static std::atomic<uint64_t> configured_devices{0};
+    enable_dynamic_smem_once(Kernel, Traits::kSmemBytes, Name(), configured_devices);
+  }
+
+  // `workers` CTAs on `stream` (nothing for none); throws naming the kernel and launch shape.
+  static void launch(const Params& params, int32_t workers, void* stream) {
+    if (workers <= 0) return;
+    enable_smem();
+    const dim3 grid(static_cast<unsigned>(workers));
+    const dim3 block(Traits::kNumThreads);
+    Kernel<<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(params);
+    check_kernel_launch(Name(), grid, block, Traits::kSmemBytes);
+  }
+
+  // Resident CTAs per SM on `device`; 0 when the kernel cannot run there.
+  static int max_ctas_per_sm(int device) {
+    try {
+      CudaDeviceGuard guard(device);
+      enable_smem();
+      int ctas = 0;
+      check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, Kernel, Traits::kNumThreads,
+                                                               Traits::kSmemBytes),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+      return ctas;
+    } catch (const Error&) {
+      cudaGetLastError();  // clear the error the query left behind: the caller sees 0
+      return 0;
+    }
+  }
+};
+
+}  // namespace tessera::detail
