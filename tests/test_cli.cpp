@@ -1,6 +1,6 @@
 // The tessera command end to end: bench (CPU, quick suite, JSON, the spread of the timings and
 // devtools' loaded-machine warning), plan --explain (prefill and decode; the decode kernel note on
-// a GPU), info, check, tune without a GPU, and a bad flag giving a clear error.
+// a GPU), info, check, tune without a GPU, and unknown words and bad values named in the error.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -219,6 +219,35 @@ TEST_F(Cli, CheckRunsTheCorrectnessSweep) {
   const Result result = run("check --backend cpu --configs 20 --seed 5");
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_NE(result.output.find("20 passed, 0 failed"), std::string::npos) << result.output;
+}
+
+TEST_F(Cli, UnknownWordsAreNamed) {
+  Result result = run("bogus");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_NE(result.output.find("unknown subcommand 'bogus' (expected one of: bench, check, plan, "
+                               "tune, info"),
+            std::string::npos)
+      << result.output;
+  result = run("");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_NE(result.output.find("expected a subcommand (one of: bench,"), std::string::npos)
+      << result.output;
+  result = run("bench --bogus");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_NE(result.output.find("tessera bench: unknown option '--bogus'"), std::string::npos)
+      << result.output;
+  result = run("--bogus");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_NE(result.output.find("unknown option '--bogus'"), std::string::npos) << result.output;
+  result = run("plan stray");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_NE(result.output.find("tessera plan: unexpected argument 'stray'"), std::string::npos)
+      << result.output;
+  result = run("bench --iterations many");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_NE(result.output.find("--iterations"), std::string::npos) << result.output;
+  EXPECT_EQ(run("--help").status, 0);
+  EXPECT_EQ(run("bench --help").status, 0);
 }
 
 TEST_F(Cli, BadArgumentsGiveAClearError) {

@@ -1,8 +1,10 @@
 // The `tessera` command: bench (the main job), check, plan --explain, tune, info.
 #include <CLI/CLI.hpp>
-
 #include <iostream>
+#include <optional>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "cli/bench.hpp"
 #include "cli/check.hpp"
@@ -113,6 +115,71 @@ int run(const Commands& c) {
   return 0;
 }
 
+// The subcommands' names, "bench, check, plan, tune, info".
+std::string subcommand_names(const CLI::App& app) {
+  std::string names;
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    names += (names.empty() ? "" : ", ") + sub->get_name();
+  }
+  return names;
+}
+
+// The arguments CLI11 did not expect, from its message "... not expected: B A" (last first).
+std::vector<std::string> unexpected_arguments(const CLI::ExtrasError& error) {
+  const std::string text = error.what();
+  const size_t colon = text.find(": ");
+  std::vector<std::string> words;
+  std::istringstream stream(colon == std::string::npos ? "" : text.substr(colon + 2));
+  for (std::string word; stream >> word;) words.insert(words.begin(), word);
+  return words;
+}
+
+// Parses the command line; on a usage error prints one line naming the word at fault and returns
+// the exit status (2), on --help / --version prints them and returns 0; nullopt: run.
+std::optional<int> parse(CLI::App& app, int argc, char** argv) {
+  const std::string names = subcommand_names(app);
+  if (argc < 2) {
+    std::cerr << "tessera: expected a subcommand (one of: " << names << "); tessera --help\n";
+    return 2;
+  }
+  const std::string first = argv[1];
+  const bool known_flag =
+      first == "-h" || first == "--help" || first == "--help-all" || first == "--version";
+  if (!first.empty() && first[0] == '-' && !known_flag) {
+    std::cerr << "tessera: unknown option '" << first
+              << "' (expected a subcommand first, one of: " << names << ")\n";
+    return 2;
+  }
+  if (first.empty() || first[0] != '-') {
+    const auto subs =
+        app.get_subcommands([&](const CLI::App* sub) { return sub->check_name(first); });
+    if (subs.empty()) {
+      std::cerr << "tessera: unknown subcommand '" << first << "' (expected one of: " << names
+                << ")\n";
+      return 2;
+    }
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    if (error.get_exit_code() == 0) return app.exit(error);  // --help, --version
+    const std::vector<CLI::App*> parsed = app.get_subcommands();
+    const std::string where = parsed.empty() ? "tessera" : "tessera " + parsed.back()->get_name();
+    const auto* extras = dynamic_cast<const CLI::ExtrasError*>(&error);
+    if (extras == nullptr) {
+      std::cerr << where << ": " << error.what() << " (" << where << " --help)\n";
+      return 2;
+    }
+    for (const std::string& word : unexpected_arguments(*extras)) {
+      std::cerr << where << ": "
+                << (word.rfind('-', 0) == 0 ? "unknown option '" : "unexpected argument '") << word
+                << "' (" << where << " --help lists the options)\n";
+    }
+    return 2;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -126,7 +193,7 @@ int main(int argc, char** argv) {
   add_tune(app, commands);
   commands.info_cmd = app.add_subcommand("info", "Describe the build and the devices");
 
-  CLI11_PARSE(app, argc, argv);
+  if (const std::optional<int> status = parse(app, argc, argv)) return *status;
   try {
     return run(commands);
   } catch (const std::exception& error) {
