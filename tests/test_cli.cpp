@@ -1,6 +1,7 @@
 // The tessera command end to end: bench (CPU, quick suite, JSON, the spread of the timings and
 // devtools' loaded-machine warning), plan --explain (prefill and decode; the decode kernel note on
-// a GPU), info, check, tune without a GPU, and unknown words and bad values named in the error.
+// a GPU), info, settings, check, tune without a GPU, and unknown words and bad values named in
+// the error.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -10,7 +11,9 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 
+#include "core/settings.hpp"
 #include "devtools/timing.hpp"
 
 namespace {
@@ -215,6 +218,38 @@ TEST_F(Cli, InfoDescribesTheBuild) {
   EXPECT_NE(result.output.find("cpu kernels: generic"), std::string::npos) << result.output;
 }
 
+TEST_F(Cli, SettingsListsTheRegistryAndTheValuesInForce) {
+  const Result result =
+      run("settings", "TESSERA_BACKEND=cpu TESSERA_PLAN_L2_MB=lots TESSERA_CHECK=");
+  ASSERT_EQ(result.status, 0) << result.output;
+  for (const tessera::detail::SettingDoc& doc : tessera::detail::setting_docs()) {
+    EXPECT_NE(result.output.find(std::string("\n") + doc.name + " ("), std::string::npos)
+        << doc.name << ": " << result.output;
+    EXPECT_NE(result.output.find(doc.doc), std::string::npos) << doc.name;
+  }
+  EXPECT_NE(result.output.find("in force: 'cpu' (from the environment)"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("in force: 16 (default; the environment's 'lots' is ignored)"),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("in force: 0 (default)"), std::string::npos) << result.output;
+}
+
+TEST_F(Cli, SettingsMarkdownIsTheRegistrysTable) {
+  using tessera::detail::SettingScope;
+  for (const auto& [word, scope] : {std::pair{"developer", SettingScope::kDeveloper},
+                                    std::pair{"user", SettingScope::kUser}}) {
+    const Result result = run(std::string("settings --markdown ") + word);
+    ASSERT_EQ(result.status, 0) << result.output;
+    EXPECT_EQ(result.output, tessera::detail::settings_markdown(scope)) << word;
+  }
+  const Result result = run("settings --markdown everyone");
+  EXPECT_EQ(result.status, 2) << result.output;
+  EXPECT_NE(result.output.find("--markdown: expected user, developer or external, got 'everyone'"),
+            std::string::npos)
+      << result.output;
+}
+
 TEST_F(Cli, CheckRunsTheCorrectnessSweep) {
   const Result result = run("check --backend cpu --configs 20 --seed 5");
   ASSERT_EQ(result.status, 0) << result.output;
@@ -225,7 +260,7 @@ TEST_F(Cli, UnknownWordsAreNamed) {
   Result result = run("bogus");
   EXPECT_EQ(result.status, 2) << result.output;
   EXPECT_NE(result.output.find("unknown subcommand 'bogus' (expected one of: bench, check, plan, "
-                               "tune, info"),
+                               "tune, info, settings)"),
             std::string::npos)
       << result.output;
   result = run("");

@@ -1,4 +1,4 @@
-// The `tessera` command: bench (the main job), check, plan --explain, tune, info.
+// The `tessera` command: bench (the main job), check, plan --explain, tune, info, settings.
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <optional>
@@ -36,6 +36,8 @@ struct Commands {
   CLI::App* plan_cmd = nullptr;
   CLI::App* tune_cmd = nullptr;
   CLI::App* info_cmd = nullptr;
+  std::string settings_markdown;
+  CLI::App* settings_cmd = nullptr;
 };
 
 void add_bench(CLI::App& app, Commands& c) {
@@ -112,6 +114,7 @@ int run(const Commands& c) {
   if (*c.tune_cmd) return cli::run_tune(c.tune);
   if (*c.plan_cmd) return cli::run_plan(c.plan);
   if (*c.info_cmd) return cli::run_info();
+  if (*c.settings_cmd) return cli::run_settings(c.settings_markdown);
   return 0;
 }
 
@@ -192,6 +195,11 @@ int main(int argc, char** argv) {
   add_plan(app, commands);
   add_tune(app, commands);
   commands.info_cmd = app.add_subcommand("info", "Describe the build and the devices");
+  commands.settings_cmd = app.add_subcommand(
+      "settings", "List the environment variables Tessera reads and the values in force");
+  commands.settings_cmd->add_option(
+      "--markdown", commands.settings_markdown,
+      "print the table of one scope (user, developer or external) as the docs have it");
 
   if (const std::optional<int> status = parse(app, argc, argv)) return *status;
   try {
