@@ -551,58 +551,6 @@ TEST(CudaPrefill, PagesOf16KeysEveryVariant) {
                       base_seed() + 13);
 }
 
-// Step 5 of the planner (the tail, TESSERA_PLAN_TAIL=1): one request of equal q tiles, a few
-// more items than twice the device's workers, so that a few workers would run a third item
-// while the rest wait; the plan cuts those items into key pieces merged afterwards. The length
-// is found from the device's own plan config (the first that gets a cut); ragged and paged,
-// causal or not.
-TEST(CudaPrefill, UniformBatchWhoseTailIsCut) {
-  TESSERA_SKIP_WITHOUT_GPU();
-  const test::ScopedEnv tail("TESSERA_PLAN_TAIL", "1");  // step 5 is off by default (planner.cpp)
-  std::mt19937_64 rng(base_seed() + 12);
-  const int32_t heads = 32;
-  int index = 0;
-  for (int32_t head_dim : {128, 64}) {
-    for (bool paged : {false, true}) {
-      const AttentionOp op = paged ? AttentionOp::kPagedPrefill : AttentionOp::kRaggedPrefill;
-      const PlanConfig config = detail::cuda_plan_config(op, heads, heads, head_dim,
-                                                         DType::kBFloat16, kGpu.index);
-      // From two items per worker up: fewer, and step 2's policies split every tile.
-      int32_t tokens = 0;
-      for (int32_t tiles = (2 * config.num_workers + heads - 1) / heads; tiles < 64 && tokens == 0;
-           ++tiles) {
-        detail::PlanShape shape;
-        shape.op = op;
-        shape.device = kGpu;
-        shape.q_lens = shape.kv_lens = {tiles * config.q_tile_rows};
-        shape.num_qo_heads = shape.num_kv_heads = heads;
-        shape.head_dim = head_dim;
-        shape.page_size = paged ? 16 : 0;
-        const size_t merges = detail::make_plan(shape, config).merges.size();
-        if (merges > 0 && merges < static_cast<size_t>(config.num_workers)) {
-          tokens = shape.q_lens[0];
-        }
-      }
-      ASSERT_GT(tokens, 0) << "no length up to 64 q tiles gets a cut tail, workers "
-                           << config.num_workers << ", q tile rows " << config.q_tile_rows;
-      AttentionCase c = manual_case({tokens}, {tokens}, heads, heads, head_dim, DType::kBFloat16);
-      c.paged = paged;
-      c.page_size = 16;
-      c.causal = index++ % 2 == 1;
-      AttentionBuffers buffers = test::make_buffers(c, rng);
-      const Outputs expected = run_reference(buffers);
-      DeviceCase device(buffers);
-      const Plan plan = public_plan(buffers);
-      SCOPED_TRACE(c.describe() + ", " + std::to_string(plan.merges.size()) + " merges");
-      if (!c.causal) {
-        EXPECT_FALSE(plan.merges.empty()) << "the public plan has no cut tail";
-      }
-      expect_close(buffers, run_public(buffers, device, plan), expected, "public plan");
-      expect_family(c, plan, "tessera::sm", "public plan");
-    }
-  }
-}
-
 // ---- errors ----
 
 TEST(CudaPrefill, RejectsFp8KvCacheNamingKDtype) {

@@ -8,7 +8,7 @@
 # BUILD_DIR/var/NAME.so.xz (tools/stage-variant.sh makes them) or, without that file, BUILD_DIR's
 # own libtessera.so; "old" (BUILD_DIR/var/old.so.xz, or BUILD_DIR's library) is timed last in
 # odd rounds and first in even ones. A variant VAR=VALUE is BUILD_DIR's library run with that
-# environment setting (e.g. TESSERA_PLAN_ORDER=cost: a knob's other side timed without a second
+# environment setting (e.g. TESSERA_PLAN_L2_MB=0: a knob's other side timed without a second
 # build). Steps, all
 # into OUT_DIR/ab.log:
 #   1. AB_TESTS (default: test_cuda_prefill test_cuda_graph test_api_sweep test_mixed_batch) and

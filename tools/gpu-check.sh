@@ -135,11 +135,11 @@ if [ "${TESSERA_SKIP_SANITIZER:-0}" != 1 ]; then
       [ $rc -eq 0 ] || status=1
     done
   done
-  # The prefill set again with the planner's tail step (TESSERA_PLAN_TAIL=1, off by default) and
-  # under any other settings (TESSERA_SANITIZER_PASSES, ';'-separated "VAR=VALUE[,VAR=VALUE]"):
-  # memcheck, racecheck and synccheck.
-  IFS=';' read -ra sanitizer_passes <<<"TESSERA_PLAN_TAIL=1${TESSERA_SANITIZER_PASSES:+;$TESSERA_SANITIZER_PASSES}"
-  for pass in "${sanitizer_passes[@]}"; do
+  # The prefill set again under other settings (TESSERA_SANITIZER_PASSES, ';'-separated
+  # "VAR=VALUE[,VAR=VALUE]"): memcheck, racecheck and synccheck.
+  sanitizer_passes=()
+  [ -z "${TESSERA_SANITIZER_PASSES:-}" ] || IFS=';' read -ra sanitizer_passes <<<"$TESSERA_SANITIZER_PASSES"
+  for pass in ${sanitizer_passes[@]+"${sanitizer_passes[@]}"}; do
     [ -x "$build/tests/test_cuda_prefill" ] || continue
     IFS=',' read -ra assignments <<<"$pass"
     for tool in memcheck racecheck synccheck; do

@@ -7,9 +7,14 @@
 // number of visible (query row, key) pairs plus a per-key memory term and a fixed overhead, long
 // key ranges are split (split-KV) so that no item costs more than a fair share of the total, and
 // items go longest-first onto the least-loaded worker (LPT scheduling). Prefill plans whose K/V
-// exceed an L2 section (16 MiB) are scheduled section by section (request groups x kv-head
-// chunks), so that the workers read the same K/V from L2 at the same time (planner.cpp, step 4;
-// TESSERA_PLAN_ORDER=cost: plain LPT, for timing).
+// exceed an L2 section (settings().plan_section_bytes, TESSERA_PLAN_L2_MB, default 16 MiB) are
+// scheduled section by section (request groups x kv-head chunks), so that the workers read the
+// same K/V from L2 at the same time (planner_schedule.cpp, step 4; TESSERA_PLAN_L2_MB=0: plain
+// LPT, for timing).
+//
+// Files: planner.cpp (cost model, capacity_bound, make_plan: tiles, split-KV search, work list),
+// planner_schedule.cpp (piece order, LPT, L2 sections), planner_explain.cpp (Plan::explain),
+// planner_internal.hpp (what they share).
 #pragma once
 
 #include <vector>
@@ -51,13 +56,6 @@ PlanCapacity capacity_bound(int32_t max_batch, int64_t max_total_q, int32_t max_
 // Builds the plan; the caller has validated the shape. `config.q_tile_rows` must be >= the GQA
 // group size (checked; throws tessera::Error otherwise).
 Plan make_plan(const PlanShape& shape, const PlanConfig& config);
-
-// Step 5 of make_plan (planner.cpp): cuts the last items of the busiest workers of a prefill
-// plan into key pieces spread over the least-loaded workers when that shortens the busiest
-// worker by 2% or more (uniform batches lose up to one item's time to whole rounds of items);
-// otherwise leaves the plan as it is. Off unless TESSERA_PLAN_TAIL=1 (no gain measured on an
-// H100, docs/PERF.md). Exposed for tests/test_planner.cpp's reference.
-void split_tail(const PlanShape& shape, Plan& plan);
 
 // Visible (row, key) pairs of rows [q_start, q_start + q_len) of a request (q_len_total rows,
 // kv_len keys) inside keys [kv_start, kv_end): the sum over the rows of their visible keys
