@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds and installs the Python package (CPU-only library and the tessera._fastcall extension,
-# `pip install --no-build-isolation`) into a virtual environment under build-py/venv, then runs the Python tests (tests/python; the
-# GPU files skip without torch / a CUDA device). Exits non-zero on any failure.
+# Builds and installs the Python package (CPU-only library, the tessera command behind the
+# `tessera` console script and the tessera._fastcall extension, `pip install
+# --no-build-isolation`) into a virtual environment under build-py/venv, then runs the Python
+# tests (tests/python; the GPU files skip without torch / a CUDA device). Exits non-zero on any
+# failure.
 #
 # Environment:
 #   TESSERA_PY_BUILD_DIR  build folder (default build-py/): venv/ and the CMake tree skbuild/
@@ -47,6 +49,8 @@ cd "$build"
 # Whether run() has its C fast path (_fastcall.abi3.so beside the installed libtessera.so);
 # tests/python/test_fastcall.py skips, saying why, when it has not.
 "$venv/bin/python" -c "import tessera; print('python-test: fastcall', tessera.fastcall_info())"
+# The `tessera` console script runs the command the wheel carries (tests/python/test_cli_entry.py).
+"$venv/bin/python" -c "import tessera.__main__ as m; print('python-test: command', m.command_path())"
 status=0
 "$venv/bin/python" -m pytest -q -p no:cacheprovider "$root/tests/python" "$@" || status=$?
 echo "python-test: finished in $(( $(date +%s) - start )) s (pytest exit status $status)"
