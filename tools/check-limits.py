@@ -39,10 +39,6 @@ FILE_ALLOW = {
 # Functions over MAX_FUNCTION_LINES that stay, as "path:name" (name as this script prints it),
 # each with its reason.
 FUNCTION_ALLOW = {
-    "src/cpu/fast_attention_impl.hpp:FlashAttentionKernel<Simd>::run_work_item":
-        "the CPU fast path's per-item SIMD loop (compiled per ISA with -mfma): split it with the "
-        "CPU backend's owner, checking that the avx2/avx512 machine code (FP contraction) and "
-        "outputs stay bitwise the same",
 }
 
 # Every file of these folders (and python/*.c) is size-checked.

@@ -384,6 +384,94 @@ class FlashAttentionKernel {
     }
   }
 
+  // ---- run_work_item's steps (inlined into it: one function's machine code, as before) ----
+
+  // Visible keys of each token, clipped to the item's key range (first_key / last_key per
+  // token); widens [*lo, *hi) to cover them all.
+  [[gnu::always_inline]] static void visible_keys(const AttentionProblem& problem,
+                                                  const WorkItem& item, int32_t tokens,
+                                                  int32_t request_q_len, int32_t kv_len,
+                                                  int32_t* first_key, int32_t* last_key,
+                                                  int32_t* lo, int32_t* hi) {
+    for (int32_t t = 0; t < tokens; ++t) {
+      int32_t first = 0, last = 0;
+      problem.mask.visible_range(item.q_start + t, request_q_len, kv_len, &first, &last);
+      first = std::max(first, item.kv_start);
+      last = std::max(first, std::min(last, item.kv_end));
+      first_key[t] = first;
+      last_key[t] = last;
+      if (first < last) {
+        *lo = std::min(*lo, first);
+        *hi = std::max(*hi, last);
+      }
+    }
+  }
+
+  // Pre-scaled Q: row-major for the dot-product S (few rows), else Q^T for the register-blocked
+  // S. Padding rows and columns are zero so their scores stay finite.
+  [[gnu::always_inline]] static void load_queries(const FastAttentionContext& context,
+                                                  const WorkItem& item, int32_t rows,
+                                                  int32_t rows_padded, int32_t dim_padded,
+                                                  bool dot_scores, int64_t first_token,
+                                                  float* row_buffer, float* q_t) {
+    const AttentionProblem& problem = *context.problem;
+    const int32_t group_size = context.group_size;
+    const int32_t head_dim = problem.head_dim;
+    std::memset(q_t, 0, sizeof(float) * dim_padded * rows_padded);
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t qo_head = item.kv_head * group_size + r % group_size;
+      const int64_t token = first_token + r / group_size;
+      load_row(problem.q, problem.q_dtype,
+               token * problem.q_stride_token + qo_head * problem.q_stride_head, head_dim, nullptr,
+               row_buffer);
+      if (dot_scores) {
+        for (int32_t d = 0; d < head_dim; ++d)
+          q_t[r * dim_padded + d] = row_buffer[d] * context.q_scale;
+      } else {
+        for (int32_t d = 0; d < head_dim; ++d)
+          q_t[d * rows_padded + r] = row_buffer[d] * context.q_scale;
+      }
+    }
+  }
+
+  // Normalise and write: the final output (q dtype) or a float partial for the merge.
+  [[gnu::always_inline]] static void write_rows(const FastAttentionContext& context,
+                                                const WorkItem& item, int32_t rows,
+                                                int32_t dim_padded, int64_t first_token,
+                                                const float* o, const float* row_max,
+                                                const float* row_sum, float* row_buffer) {
+    const AttentionProblem& problem = *context.problem;
+    const int32_t group_size = context.group_size;
+    const int32_t head_dim = problem.head_dim;
+    const float minus_inf_lse = -std::numeric_limits<float>::infinity();
+    constexpr double kLn2 = 0.69314718055994530942;
+    for (int32_t r = 0; r < rows; ++r) {
+      const float sum = row_sum[r];
+      // sum == 0 exactly when the row saw no key: every probability was exp2(-inf) = 0.
+      const bool empty = !(sum > 0.0f);
+      const float inv_sum = empty ? 0.0f : context.out_scale / sum;
+      const float lse =
+          empty ? minus_inf_lse
+                : static_cast<float>((row_max[r] + std::log2(static_cast<double>(sum))) * kLn2);
+      const Vec scale = Simd::set1(inv_sum);
+      const float* o_row = o + r * dim_padded;
+      for (int32_t d = 0; d < dim_padded; d += kLanes) {
+        Simd::store(row_buffer + d, Simd::mul(Simd::load(o_row + d), scale));
+      }
+      if (item.partial_row >= 0) {
+        const int64_t partial = static_cast<int64_t>(item.partial_row) + r;
+        std::memcpy(context.partial_o + partial * head_dim, row_buffer, sizeof(float) * head_dim);
+        context.partial_lse[partial] = lse;
+        continue;
+      }
+      const int32_t qo_head = item.kv_head * group_size + r % group_size;
+      const int64_t token = first_token + r / group_size;
+      store_row(row_buffer, problem.q_dtype, head_dim, problem.o,
+                token * problem.o_stride_token + qo_head * problem.o_stride_head);
+      if (problem.lse) problem.lse[token * problem.lse_stride_token + qo_head] = lse;
+    }
+  }
+
   // Online softmax over one tile: updates the running max / sum, writes P = exp2(S - max) in
   // place and the factor alpha that rescales the O accumulated so far.
   static void online_softmax(float* s_tile, int32_t rows_padded, int32_t keys, float* row_max,
@@ -474,39 +562,11 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
   const int32_t kv_len = kv.kv_len(request);
   const int64_t first_token = static_cast<int64_t>(problem.q_begin(request)) + item.q_start;
 
-  // Visible keys of each token, clipped to this item's key range; [lo, hi) covers them all.
-  int32_t lo = item.kv_end, hi = item.kv_start;
-  for (int32_t t = 0; t < tokens; ++t) {
-    int32_t first = 0, last = 0;
-    problem.mask.visible_range(item.q_start + t, request_q_len, kv_len, &first, &last);
-    first = std::max(first, item.kv_start);
-    last = std::max(first, std::min(last, item.kv_end));
-    first_key[t] = first;
-    last_key[t] = last;
-    if (first < last) {
-      lo = std::min(lo, first);
-      hi = std::max(hi, last);
-    }
-  }
-
-  // Pre-scaled Q: row-major for the dot-product S (few rows), else Q^T for the register-blocked
-  // S. Padding rows and columns are zero so their scores stay finite.
+  int32_t lo = item.kv_end, hi = item.kv_start;  // [lo, hi): every key some token sees
+  visible_keys(problem, item, tokens, request_q_len, kv_len, first_key, last_key, &lo, &hi);
   const bool dot_scores = rows <= kDotMaxRows;
-  std::memset(q_t, 0, sizeof(float) * dim_padded * rows_padded);
-  for (int32_t r = 0; r < rows; ++r) {
-    const int32_t qo_head = item.kv_head * group_size + r % group_size;
-    const int64_t token = first_token + r / group_size;
-    load_row(problem.q, problem.q_dtype,
-             token * problem.q_stride_token + qo_head * problem.q_stride_head, head_dim, nullptr,
-             row_buffer);
-    if (dot_scores) {
-      for (int32_t d = 0; d < head_dim; ++d)
-        q_t[r * dim_padded + d] = row_buffer[d] * context.q_scale;
-    } else {
-      for (int32_t d = 0; d < head_dim; ++d)
-        q_t[d * rows_padded + r] = row_buffer[d] * context.q_scale;
-    }
-  }
+  load_queries(context, item, rows, rows_padded, dim_padded, dot_scores, first_token, row_buffer,
+               q_t);
   std::memset(o, 0, sizeof(float) * rows_padded * dim_padded);
   // The dot-product S leaves padding rows unwritten: keep them finite for the softmax.
   if (dot_scores) std::memset(s_tile, 0, sizeof(float) * kFastKeyTile * rows_padded);
@@ -569,34 +629,7 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
     accumulate_values(s_tile, rows_padded, pv_rows, v_tile, dim_padded, keys, row_alpha, o);
   }
 
-  // Normalise and write: the final output (q dtype) or a float partial for the merge.
-  const float minus_inf_lse = -std::numeric_limits<float>::infinity();
-  constexpr double kLn2 = 0.69314718055994530942;
-  for (int32_t r = 0; r < rows; ++r) {
-    const float sum = row_sum[r];
-    // sum == 0 exactly when the row saw no key: every probability was exp2(-inf) = 0.
-    const bool empty = !(sum > 0.0f);
-    const float inv_sum = empty ? 0.0f : context.out_scale / sum;
-    const float lse =
-        empty ? minus_inf_lse
-              : static_cast<float>((row_max[r] + std::log2(static_cast<double>(sum))) * kLn2);
-    const Vec scale = Simd::set1(inv_sum);
-    const float* o_row = o + r * dim_padded;
-    for (int32_t d = 0; d < dim_padded; d += kLanes) {
-      Simd::store(row_buffer + d, Simd::mul(Simd::load(o_row + d), scale));
-    }
-    if (item.partial_row >= 0) {
-      const int64_t partial = static_cast<int64_t>(item.partial_row) + r;
-      std::memcpy(context.partial_o + partial * head_dim, row_buffer, sizeof(float) * head_dim);
-      context.partial_lse[partial] = lse;
-      continue;
-    }
-    const int32_t qo_head = item.kv_head * group_size + r % group_size;
-    const int64_t token = first_token + r / group_size;
-    store_row(row_buffer, problem.q_dtype, head_dim, problem.o,
-              token * problem.o_stride_token + qo_head * problem.o_stride_head);
-    if (problem.lse) problem.lse[token * problem.lse_stride_token + qo_head] = lse;
-  }
+  write_rows(context, item, rows, dim_padded, first_token, o, row_max, row_sum, row_buffer);
 }
 
 }  // namespace tessera::detail
