@@ -140,7 +140,7 @@ TEST_F(Cli, PlanExplainOfADecodeOnTheGpuNamesTheTuningSources) {
       std::filesystem::temp_directory_path() / "tessera_cli_no_tune_file.txt";
   std::filesystem::remove(missing);
   Result result = run(plan, "TESSERA_DECODE_VARIANT= TESSERA_DECODE_MIN_CHUNK= "
-                            "TESSERA_DECODE_KERNEL= TESSERA_TUNE_FILE=" + missing.string());
+                            "TESSERA_TUNE_FILE=" + missing.string());
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_NE(result.output.find("tensor-core mma variant 1"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("keys, from built-in default (no tuning file"),
@@ -156,14 +156,14 @@ TEST_F(Cli, PlanExplainOfADecodeOnTheGpuNamesTheTuningSources) {
       std::filesystem::temp_directory_path() / "tessera_cli_tune_file.txt";
   std::ofstream(file) << "tessera-tune 1\ndecode device=\"" << name
                       << "\" head_dim=128 group=4 kv=bf16 variant=3 min_chunk=256\n";
-  result = run(plan, "TESSERA_DECODE_VARIANT= TESSERA_DECODE_MIN_CHUNK= TESSERA_DECODE_KERNEL= "
+  result = run(plan, "TESSERA_DECODE_VARIANT= TESSERA_DECODE_MIN_CHUNK= "
                      "TESSERA_TUNE_FILE=" + file.string());
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_NE(result.output.find("tensor-core mma variant 3"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("warps 2, stages 6"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("chunk 256 keys, from tuning file " + file.string()),
             std::string::npos) << result.output;
-  result = run(plan, "TESSERA_DECODE_VARIANT=0 TESSERA_DECODE_MIN_CHUNK= TESSERA_DECODE_KERNEL= "
+  result = run(plan, "TESSERA_DECODE_VARIANT=0 TESSERA_DECODE_MIN_CHUNK= "
                      "TESSERA_TUNE_FILE=" + file.string());
   ASSERT_EQ(result.status, 0) << result.output;
   EXPECT_NE(result.output.find("CUDA-core kernel (variant 0"), std::string::npos)

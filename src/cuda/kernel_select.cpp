@@ -189,13 +189,13 @@ KernelChoice select_decode(const Plan& plan, const CudaDeviceInfo& info) {
                   "head_dim " + std::to_string(plan.head_dim) +
                       " is not supported by the CUDA decode kernels (a multiple of 8 up to 256)");
     }
-    why = "CUDA cores (" + why + ")";
+    why = "CUDA-core kernel (variant " + std::to_string(variant) + "; " + why + ")";
   } else {
-    why = "tensor cores";
+    why = "tensor-core mma variant " + std::to_string(variant) + " (" +
+          row->instance(DType::kBFloat16, DType::kBFloat16)->name + ")";
   }
   choice.kernel_id = row->id;
-  choice.reason = row_text(*row) + ": " + why + ", variant " + std::to_string(variant) +
-                  " from " +
+  choice.reason = row_text(*row) + ": " + why + ", variant from " +
                   knob_source(tuning.variant_source, "TESSERA_DECODE_VARIANT", info,
                               plan.head_dim, group);
   if (plan.config.heavy_batch) {
