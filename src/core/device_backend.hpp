@@ -16,6 +16,7 @@ namespace tessera::detail {
 
 struct DeviceBackend {
   const char* name;  // "cuda"
+  const char* archs;  // the architectures compiled, CMake's list ("80;90a")
   int (*device_count)();  // devices visible now (0 without a driver or device; never throws)
   uint64_t (*stream_capture_id)(void* stream);  // 0: not capturing
   std::string (*describe)(int device);          // "cuda:0 NVIDIA H200 sm_90, 132 SMs"

@@ -1,6 +1,7 @@
 // The CUDA backend's entry in the core's backend table (core/device_backend.hpp).
 #include "core/device_backend.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "cuda/cuda_backend.hpp"
@@ -21,8 +22,17 @@ PlanConfig plan_config(AttentionOp op, int num_qo_heads, int num_kv_heads, int h
                           batch);
 }
 
-constexpr DeviceBackend kCuda = {
+// CMake passes its architecture list with ',' for ';' (TESSERA_CUDA_ARCHS_BUILT).
+std::string archs_built() {
+  std::string archs = TESSERA_CUDA_ARCHS_BUILT;
+  std::replace(archs.begin(), archs.end(), ',', ';');
+  return archs;
+}
+const std::string kArchs = archs_built();
+
+const DeviceBackend kCuda = {
     "cuda",
+    kArchs.c_str(),
     &cuda_device_count_or_zero,
     &cuda_stream_capture_id,
     &describe,
