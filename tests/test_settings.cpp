@@ -4,7 +4,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -100,7 +99,6 @@ TEST(Settings, EveryVariableIsRegisteredOnce) {
 TEST(Settings, OnlyTheRegistryReadsTheEnvironment) {
   const std::filesystem::path src = source_root() / "src";
   ASSERT_TRUE(std::filesystem::exists(src)) << src;
-  const std::regex getenv_call(R"(\b(std::)?(secure_)?getenv\s*\()");
   int files = 0;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(src)) {
     if (!entry.is_regular_file()) continue;
@@ -109,7 +107,8 @@ TEST(Settings, OnlyTheRegistryReadsTheEnvironment) {
     ++files;
     if (entry.path() == src / "core" / "settings.cpp") continue;
     const std::string text = read_text(entry.path());
-    EXPECT_FALSE(std::regex_search(text, getenv_call))
+    // Plain search (std::regex trips GCC 12's -Wmaybe-uninitialized under ASan).
+    EXPECT_EQ(text.find("getenv("), std::string::npos)
         << entry.path() << " reads the environment: use core/settings.hpp";
   }
   EXPECT_GT(files, 50);
