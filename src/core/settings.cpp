@@ -6,9 +6,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string_view>
+#include <vector>
 
 namespace tessera::detail {
 namespace {
@@ -167,10 +169,17 @@ Settings parse() {
   return s;
 }
 
-// Snapshots are immutable and never freed, so a reference handed out stays valid after a
-// reload (tests only).
+// Snapshots are immutable and kept until the process ends (in g_snapshots, so they stay
+// reachable for LeakSanitizer), so a reference handed out stays valid after a reload (tests).
 std::atomic<const Settings*> g_settings{nullptr};
 std::mutex g_settings_mutex;
+
+const Settings* keep(Settings fresh) {
+  static std::vector<std::unique_ptr<Settings>>* snapshots =
+      new std::vector<std::unique_ptr<Settings>>();  // never destroyed: no exit-time order
+  snapshots->push_back(std::make_unique<Settings>(std::move(fresh)));
+  return snapshots->back().get();
+}
 
 }  // namespace
 
@@ -207,14 +216,14 @@ const Settings& settings() {
   if (const Settings* current = g_settings.load(std::memory_order_acquire)) return *current;
   std::lock_guard<std::mutex> lock(g_settings_mutex);
   if (const Settings* current = g_settings.load(std::memory_order_acquire)) return *current;
-  const Settings* fresh = new Settings(parse());
+  const Settings* fresh = keep(parse());
   g_settings.store(fresh, std::memory_order_release);
   return *fresh;
 }
 
 void reload_settings() {
   std::lock_guard<std::mutex> lock(g_settings_mutex);
-  g_settings.store(new Settings(parse()), std::memory_order_release);
+  g_settings.store(keep(parse()), std::memory_order_release);
 }
 
 std::optional<std::string> environment_value(const char* name) {
