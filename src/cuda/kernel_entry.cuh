@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_utils.hpp"
+#include "cuda/kernel_registry.hpp"
 
 namespace tessera::detail {
 
@@ -32,6 +33,22 @@ struct KernelEntry {
     const dim3 block(Traits::kNumThreads);
     Kernel<<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(params);
     check_kernel_launch(Name(), grid, block, Traits::kSmemBytes);
+  }
+
+  // Params that carry their grid (PrefillArgs, DecodeArgs: num_workers): the registry's launch.
+  static void launch_workers(const Params& params, void* stream) {
+    launch(params, params.num_workers, stream);
+  }
+
+  // The registry instance of this kernel for (q, K/V) dtypes, without its launch pointer (the
+  // family sets the one its rows use).
+  static KernelInstance instance(DType q_dtype, DType kv_dtype) {
+    KernelInstance entry;
+    entry.q_dtype = q_dtype;
+    entry.kv_dtype = kv_dtype;
+    entry.name = Name();
+    entry.max_ctas_per_sm = &max_ctas_per_sm;
+    return entry;
   }
 
   // Resident CTAs per SM on `device`; 0 when the kernel cannot run there.

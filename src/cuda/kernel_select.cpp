@@ -108,11 +108,12 @@ const KernelRow* sm90_prefill_row(const Plan& plan, std::string* why) {
     }
   }
   const uint32_t cap = soft_cap ? kKernelSoftCap : 0u;
-  // Pages shorter than a 128-key tile: V copied one box per page (head_dim exactly 128: the
-  // 5-d box spans whole rows).
-  if (paged && plan.head_dim == 128 && plan.page_size < 128) {
+  // Pages shorter than the paged-V row's key tile: V copied one box per page (head_dim exactly
+  // the row's: the 5-d box spans whole rows).
+  if (paged) {
     const KernelRow* row = find_kernel_row(KernelFamily::kSm90Prefill, bucket, cap | kKernelPagedV);
-    if (row != nullptr) {
+    if (row != nullptr && plan.head_dim == row->shape.head_dim &&
+        plan.page_size < row->shape.block_n) {
       *why = "pages of " + std::to_string(plan.page_size) + " keys: V one TMA box per page";
       return row;
     }
@@ -219,9 +220,14 @@ KernelChoice select_decode(const Plan& plan, const CudaDeviceInfo& info) {
 int decode_head_dim_bucket(int head_dim) { return prefill_head_dim_bucket(head_dim); }
 
 const KernelRow* decode_mma_row(int head_dim, int rows, int variant) {
-  if (rows > 16 || variant <= 0) return nullptr;
-  return find_kernel_row(KernelFamily::kSm80DecodeMma, decode_head_dim_bucket(head_dim),
-                         rows > 8 ? kKernelFullRows : 0u, variant);
+  if (variant <= 0) return nullptr;
+  // The half-height rows first (items of <= 8 rows), then the full ones (<= 16).
+  for (const uint32_t height : {0u, static_cast<uint32_t>(kKernelFullRows)}) {
+    const KernelRow* row = find_kernel_row(KernelFamily::kSm80DecodeMma,
+                                           decode_head_dim_bucket(head_dim), height, variant);
+    if (row != nullptr && rows <= row->shape.rows) return row;
+  }
+  return nullptr;
 }
 
 const KernelRow* decode_core_row(int head_dim, int rows) {

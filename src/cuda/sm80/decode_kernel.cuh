@@ -543,20 +543,12 @@ template <class Traits, DType kQDType, DType kKVDType>
 using DecodeEntry = KernelEntry<DecodeArgs, decode_kernel<Traits, kQDType, kKVDType>, Traits,
                                 decode_kernel_name<Traits, kQDType, kKVDType>>;
 
-template <class Traits, DType kQDType, DType kKVDType>
-void launch_decode(const DecodeArgs& args, void* stream) {
-  DecodeEntry<Traits, kQDType, kKVDType>::launch(args, args.num_workers, stream);
-}
-
 template <int kHeadDim, DType kQDType, DType kKVDType, int kRowsPerThread>
 KernelInstance decode_instance() {
   using Traits = DecodeTraits<kHeadDim, KVElement<kKVDType>::kBytes, kRowsPerThread>;
-  KernelInstance instance;
-  instance.q_dtype = kQDType;
-  instance.kv_dtype = kKVDType;
-  instance.name = decode_kernel_name<Traits, kQDType, kKVDType>();
-  instance.decode = &launch_decode<Traits, kQDType, kKVDType>;
-  instance.max_ctas_per_sm = &DecodeEntry<Traits, kQDType, kKVDType>::max_ctas_per_sm;
+  using Entry = DecodeEntry<Traits, kQDType, kKVDType>;
+  KernelInstance instance = Entry::instance(kQDType, kKVDType);
+  instance.decode = &Entry::launch_workers;
   return instance;
 }
 

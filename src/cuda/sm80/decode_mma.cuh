@@ -528,17 +528,9 @@ using DecodeMmaEntry = KernelEntry<DecodeArgs, decode_mma_kernel<Traits, kDType>
                                    decode_mma_kernel_name<Traits, kDType>>;
 
 template <class Traits, DType kDType>
-void launch_decode_mma(const DecodeArgs& args, void* stream) {
-  DecodeMmaEntry<Traits, kDType>::launch(args, args.num_workers, stream);
-}
-
-template <class Traits, DType kDType>
 KernelInstance decode_mma_instance() {
-  KernelInstance instance;
-  instance.q_dtype = instance.kv_dtype = kDType;
-  instance.name = decode_mma_kernel_name<Traits, kDType>();
-  instance.decode = &launch_decode_mma<Traits, kDType>;
-  instance.max_ctas_per_sm = &DecodeMmaEntry<Traits, kDType>::max_ctas_per_sm;
+  KernelInstance instance = DecodeMmaEntry<Traits, kDType>::instance(kDType, kDType);
+  instance.decode = &DecodeMmaEntry<Traits, kDType>::launch_workers;
   return instance;
 }
 

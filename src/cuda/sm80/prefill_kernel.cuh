@@ -422,17 +422,10 @@ using PrefillEntry = KernelEntry<PrefillArgs, prefill_kernel<Traits, kDType, kSo
                                  prefill_kernel_name<Traits, kDType, kSoftCap>>;
 
 template <class Traits, DType kDType, bool kSoftCap>
-void launch_prefill(const PrefillArgs& args, void* stream) {
-  PrefillEntry<Traits, kDType, kSoftCap>::launch(args, args.num_workers, stream);
-}
-
-template <class Traits, DType kDType, bool kSoftCap>
 KernelInstance prefill_instance() {
-  KernelInstance instance;
-  instance.q_dtype = instance.kv_dtype = kDType;
-  instance.name = prefill_kernel_name<Traits, kDType, kSoftCap>();
-  instance.prefill = &launch_prefill<Traits, kDType, kSoftCap>;
-  instance.max_ctas_per_sm = &PrefillEntry<Traits, kDType, kSoftCap>::max_ctas_per_sm;
+  using Entry = PrefillEntry<Traits, kDType, kSoftCap>;
+  KernelInstance instance = Entry::instance(kDType, kDType);
+  instance.prefill = &Entry::launch_workers;
   return instance;
 }
 

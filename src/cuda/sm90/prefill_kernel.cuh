@@ -199,21 +199,21 @@ bool make_prefill_params(const PrefillArgs& args, uint32_t options, PrefillParam
 }
 
 template <class Traits, DType kDType, bool kSoftCap>
+using PrefillEntry = KernelEntry<PrefillParams, prefill_kernel<Traits, kDType, kSoftCap>, Traits,
+                                 prefill_kernel_name<Traits, kDType, kSoftCap>>;
+
+template <class Traits, DType kDType, bool kSoftCap>
 bool try_launch_prefill(const PrefillArgs& args, uint32_t options, void* stream,
                         std::string* why) {
   PrefillParams params;
   if (!make_prefill_params<Traits>(args, options, &params, why)) return false;
-  KernelEntry<PrefillParams, prefill_kernel<Traits, kDType, kSoftCap>, Traits,
-              prefill_kernel_name<Traits, kDType, kSoftCap>>::launch(params, args.num_workers,
-                                                                     stream);
+  PrefillEntry<Traits, kDType, kSoftCap>::launch(params, args.num_workers, stream);
   return true;
 }
 
 template <class Traits, DType kDType, bool kSoftCap>
 KernelInstance prefill_instance() {
-  KernelInstance instance;
-  instance.q_dtype = instance.kv_dtype = kDType;
-  instance.name = prefill_kernel_name<Traits, kDType, kSoftCap>();
+  KernelInstance instance = PrefillEntry<Traits, kDType, kSoftCap>::instance(kDType, kDType);
   instance.try_prefill = &try_launch_prefill<Traits, kDType, kSoftCap>;
   return instance;
 }
