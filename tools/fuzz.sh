@@ -38,7 +38,9 @@ compile() {
   fi
   echo "$obj"
 }
-sources=("$root"/src/core/*.cpp "$root"/src/cpu/*.cpp "$root"/src/capi/*.cpp)
+# src/nogpu: the empty GPU backend table of a CPU-only build (core/device_backend.hpp).
+sources=("$root"/src/core/*.cpp "$root"/src/cpu/*.cpp "$root"/src/capi/*.cpp
+         "$root"/src/nogpu/*.cpp)
 objects=()
 pids=()
 running=0
