@@ -1,0 +1,150 @@
+"""The prefill wrapper over ragged K/V: :class:`BatchPrefillWithRaggedKVCacheWrapper`."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, List, Optional, Tuple, Union
+
+from .. import _capi
+from .._capi import check
+from .._common import attention_options
+from .._dlpack import DLTensor, cached_dl, to_host_int32
+from ._args import (
+    _I32P,
+    _OPTION_ARG_NAMES,
+    _PLAN_NAMES,
+    _RUN_NAMES,
+    ArrayLike,
+    _check_head_dim_vo,
+    _check_no_custom_mask,
+    _check_pos_encoding,
+    _int_arg,
+)
+from ._base import _IndexSlot, _Wrapper
+from ._fast_run import NOT_SERVED
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
+    _run_symbol = "tessera_run_ragged_prefill"
+
+    """Prefill attention over a ragged batch of K/V (FlashInfer's wrapper of the same name).
+
+    ``q`` is ``[total_q, num_qo_heads, head_dim]`` ragged by ``qo_indptr``; ``k``/``v`` are
+    ``[total_kv, num_kv_heads, head_dim]`` (NHD) or ``[num_kv_heads, total_kv, head_dim]`` (HND)
+    ragged by ``kv_indptr``.
+
+    Example::
+
+        workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        wrapper = tessera.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        wrapper.plan(qo_indptr, kv_indptr, 32, 8, 128, causal=True)
+        o = wrapper.run(q, k, v)
+    """
+
+    def __init__(self, float_workspace_buffer: ArrayLike, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf: Optional[ArrayLike] = None,
+                 kv_indptr_buf: Optional[ArrayLike] = None,
+                 custom_mask_buf: Optional[ArrayLike] = None,
+                 mask_indptr_buf: Optional[ArrayLike] = None, backend: str = "auto") -> None:
+        """``backend`` is accepted for FlashInfer compatibility and ignored (Tessera dispatches
+        by device); custom masks are not supported."""
+        del backend
+        _check_no_custom_mask(custom_mask_buf, mask_indptr_buf)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
+        self._qo_indptr = _IndexSlot("qo_indptr", qo_indptr_buf, self._device)
+        self._kv_indptr = _IndexSlot("kv_indptr", kv_indptr_buf, self._device)
+
+    def plan(
+        self,
+        qo_indptr: ArrayLike,
+        kv_indptr: ArrayLike,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask: Optional[ArrayLike] = None,
+        packed_custom_mask: Optional[ArrayLike] = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        q_data_type: Any = "float16",
+        kv_data_type: Any = None,
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        """Plans the batch.
+
+        Args:
+            qo_indptr, kv_indptr: ``[batch_size + 1]`` cumulative query / key lengths.
+            num_qo_heads, num_kv_heads, head_dim_qk: problem shape (``head_dim_vo`` must equal
+                ``head_dim_qk``).
+            causal: causal mask aligned bottom-right. window_left: sliding window (-1 = off).
+            logits_soft_cap: soft-cap (None/0 = off). sm_scale: None = 1/sqrt(head_dim).
+            k_scale, v_scale: fp8 KV dequantisation scales (Tessera extension).
+            custom_mask, pos_encoding_mode other than "NONE": not supported (ValueError).
+            use_fp16_qk_reduction, q_data_type, kv_data_type: accepted and ignored (accumulation
+                is always fp32; dtypes are checked by run()).
+        """
+        del use_fp16_qk_reduction, q_data_type, kv_data_type
+        _check_no_custom_mask(custom_mask, packed_custom_mask)
+        _check_pos_encoding(pos_encoding_mode, rope_scale, rope_theta)
+        _check_head_dim_vo(head_dim_qk, head_dim_vo)
+        qo_host = to_host_int32(qo_indptr, "qo_indptr").reshape(-1)
+        kv_host = to_host_int32(kv_indptr, "kv_indptr").reshape(-1)
+        if kv_host.size != qo_host.size:
+            raise ValueError(f"'kv_indptr': expected {qo_host.size} values like qo_indptr, got "
+                             f"{kv_host.size}")
+        options = attention_options(causal, window_left, -1, logits_soft_cap, sm_scale, k_scale,
+                                    v_scale, names=_OPTION_ARG_NAMES)
+        handle = ctypes.c_void_p()
+        check(_capi.lib().tessera_plan_ragged_prefill(
+            qo_host.ctypes.data_as(_I32P), kv_host.ctypes.data_as(_I32P), max(qo_host.size - 1, 0),
+            _int_arg(num_qo_heads, "num_qo_heads"), _int_arg(num_kv_heads, "num_kv_heads"),
+            _int_arg(head_dim_qk, "head_dim_qk"), ctypes.byref(options), self._device[0],
+            self._device[1], ctypes.byref(handle)), dict(_PLAN_NAMES, head_dim="head_dim_qk"))
+        plan = self._new_plan(handle)
+        self._install(plan, options, [self._qo_indptr.stage(self, qo_indptr, qo_host),
+                                      self._kv_indptr.stage(self, kv_indptr, kv_host)])
+
+    def _index_descriptors(self) -> List[DLTensor]:
+        return [self._qo_indptr.dl, self._kv_indptr.dl]
+
+    def run(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: Optional[ArrayLike] = None,
+            lse: Optional[ArrayLike] = None, return_lse: bool = False, *,
+            k_scale: Optional[float] = None, v_scale: Optional[float] = None,
+            enable_pdl: Optional[bool] = None
+            ) -> Union[ArrayLike, Tuple[ArrayLike, ArrayLike]]:
+        """Runs the plan: returns ``o`` ``[total_q, num_qo_heads, head_dim]`` (q's dtype), or
+        ``(o, lse)`` with ``lse`` ``[total_q, num_qo_heads]`` float32 when ``return_lse``."""
+        del enable_pdl
+        plan = self._plan
+        if plan is None:
+            self._require_plan()
+        if k_scale is not None or v_scale is not None:
+            self._scales(k_scale, v_scale)
+        if self._fast is not None:
+            result = self._run_fast((q, k, v), out, lse, return_lse)
+            if result is not NOT_SERVED:
+                return result
+        q_dl = cached_dl(q, "q")
+        k_dl = cached_dl(k, "k")
+        v_dl = cached_dl(v, "v")
+        if self._layout == _capi.TESSERA_KV_LAYOUT_HND:
+            k_dl, v_dl = self._nhd(k_dl, "k"), self._nhd(v_dl, "v")
+        out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
+        if self._watch_capture:
+            self._note_capture()
+        # Descriptors are passed as ctypes instances (ctypes passes them by reference).
+        status = self._run_fn(
+            plan.handle, q_dl, k_dl, v_dl, self._qo_indptr.dl, self._kv_indptr.dl, o_dl, lse_dl,
+            self._workspace_ptr, self._workspace_bytes,
+            None if q_dl._cuda is None else self._stream(q, q_dl))
+        if status:
+            check(status, _RUN_NAMES)
+        return (out, lse) if return_lse else out
