@@ -1,7 +1,8 @@
 # tessera._fastcall: the optional CPython extension of the Python package's run() fast path
-# (python/_fastcall.c). Limited API (abi3, Python >= 3.9): one binary for every CPython 3.9+,
-# loaded by the package from the folder of libtessera.so (python/tessera/_fast.py). It does
-# not link libtessera (the run functions' addresses come from the ctypes binding) nor
+# (python/_fastcall.c, _fastcall_describe.c, _fastcall_runner.c and their private header
+# _fastcall.h). Limited API (abi3, Python >= 3.9): one binary for every CPython 3.9+, loaded by
+# the package from the folder of libtessera.so (python/tessera/_fast.py). It does not link
+# libtessera (the run functions' addresses come from the ctypes binding) nor
 # libpython. Skipped, with a message, when the Python headers are not found; the package then
 # uses its ctypes path.
 option(TESSERA_BUILD_PYTHON_EXT "Build the tessera._fastcall Python extension" ON)
@@ -22,7 +23,9 @@ if(NOT Python3_Development.Module_FOUND)
   return()
 endif()
 enable_language(C)
-add_library(tessera_fastcall MODULE ${PROJECT_SOURCE_DIR}/python/_fastcall.c)
+add_library(tessera_fastcall MODULE ${PROJECT_SOURCE_DIR}/python/_fastcall.c
+                                    ${PROJECT_SOURCE_DIR}/python/_fastcall_describe.c
+                                    ${PROJECT_SOURCE_DIR}/python/_fastcall_runner.c)
 # _fastcall.abi3.so beside libtessera.so, in the build folder as in the wheel.
 set_target_properties(tessera_fastcall PROPERTIES
   OUTPUT_NAME _fastcall PREFIX "" SUFFIX ".abi3.so"
