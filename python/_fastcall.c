@@ -28,15 +28,15 @@
 #include "_fastcall.h"
 
 /* ---- module state (set by init_numpy / init_torch under the GIL, read-only afterwards) ---- */
-PyObject* numpy_type;  /* numpy.ndarray (exact type only) */
+PyObject* numpy_type; /* numpy.ndarray (exact type only) */
 Py_ssize_t numpy_head_offset;
 dtype_entry numpy_dtypes[MAX_DTYPES];
 int numpy_dtype_count;
 
-PyObject* torch_type;      /* torch.Tensor */
-PyObject* torch_param_type; /* torch.nn.Parameter */
-PyObject* torch_strided;   /* torch.strided */
-PyObject* torch_stream;    /* callable(device_index) -> int (cudaStream_t) */
+PyObject* torch_type;        /* torch.Tensor */
+PyObject* torch_param_type;  /* torch.nn.Parameter */
+PyObject* torch_strided;     /* torch.strided */
+PyObject* torch_stream;      /* callable(device_index) -> int (cudaStream_t) */
 int torch_normalize_strides; /* strides of size-0/1 dims exported as 1 (old torch) */
 dtype_entry torch_dtypes[MAX_DTYPES];
 int torch_dtype_count;
@@ -51,7 +51,7 @@ int torch_ready;
 PyObject *s_dtype, *s_layout, *s_is_cuda, *s_is_cpu, *s_get_device, *s_data_ptr, *s_shape,
     *s_stride, *s_is_neg;
 
-unsigned long long calls_served; /* run calls that went through this module */
+unsigned long long calls_served;   /* run calls that went through this module */
 unsigned long long calls_declined; /* run calls handed back to the ctypes path */
 
 /* ---- init ---- */

@@ -92,15 +92,15 @@ typedef struct {
 
 /* ---- module state (_fastcall.c; set by init_numpy / init_torch under the GIL, read-only
  * afterwards) ---- */
-extern PyObject* numpy_type;  /* numpy.ndarray (exact type only) */
+extern PyObject* numpy_type; /* numpy.ndarray (exact type only) */
 extern Py_ssize_t numpy_head_offset;
 extern dtype_entry numpy_dtypes[MAX_DTYPES];
 extern int numpy_dtype_count;
 
-extern PyObject* torch_type;      /* torch.Tensor */
-extern PyObject* torch_param_type; /* torch.nn.Parameter */
-extern PyObject* torch_strided;   /* torch.strided */
-extern PyObject* torch_stream;    /* callable(device_index) -> int (cudaStream_t) */
+extern PyObject* torch_type;        /* torch.Tensor */
+extern PyObject* torch_param_type;  /* torch.nn.Parameter */
+extern PyObject* torch_strided;     /* torch.strided */
+extern PyObject* torch_stream;      /* callable(device_index) -> int (cudaStream_t) */
 extern int torch_normalize_strides; /* strides of size-0/1 dims exported as 1 (old torch) */
 extern dtype_entry torch_dtypes[MAX_DTYPES];
 extern int torch_dtype_count;
@@ -115,7 +115,7 @@ extern int torch_ready;
 extern PyObject *s_dtype, *s_layout, *s_is_cuda, *s_is_cpu, *s_get_device, *s_data_ptr, *s_shape,
     *s_stride, *s_is_neg;
 
-extern unsigned long long calls_served; /* run calls that went through this module */
+extern unsigned long long calls_served;   /* run calls that went through this module */
 extern unsigned long long calls_declined; /* run calls handed back to the ctypes path */
 
 /* ---- _fastcall_describe.c ---- */

@@ -559,6 +559,5 @@ TEST_F(ValidationTest, TensorsOnDifferentDevices) {
   expect_invalid([&] { run_ragged(); }, "lse");
 }
 
-
 }  // namespace
 }  // namespace tessera

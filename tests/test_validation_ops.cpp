@@ -292,6 +292,5 @@ TEST_F(ValidationTest, MergeStatesLseOutWrongShape) {
   expect_invalid([&] { merge_many(); }, "lse_out");
 }
 
-
 }  // namespace
 }  // namespace tessera
