@@ -11,7 +11,8 @@
 // random rows otherwise). Also: upload_plan + run equals plain run bit for bit, a stale upload
 // (another plan uploaded into the workspace since) is detected by run, upload_plan refuses a
 // capturing stream, and capturing run with a plan that was not uploaded (the pre-upload_plan
-// way, used by the Python wrapper) still replays that plan.
+// way, used by the Python wrapper) still replays that plan. The ragged prefill graph:
+// test_cuda_graph_prefill.cpp; the helpers both use: common/cuda_graph_testing.hpp.
 // TESSERA_TEST_REDUCED=1 shrinks the step counts; TESSERA_TEST_SEED varies the random run.
 #include <gtest/gtest.h>
 
@@ -27,6 +28,7 @@
 #include <vector>
 
 #include "common/cuda_graph_support.hpp"
+#include "common/cuda_graph_testing.hpp"
 #include "common/gpu_test_support.hpp"
 #include "core/half.hpp"
 #include "core/planner.hpp"
@@ -46,23 +48,8 @@ namespace {
 
 // ============================================================================ CPU: capacity
 
-std::vector<int32_t> indptr_of(const std::vector<int32_t>& lengths) {
-  std::vector<int32_t> indptr(lengths.size() + 1, 0);
-  for (size_t i = 0; i < lengths.size(); ++i) indptr[i + 1] = indptr[i] + lengths[i];
-  return indptr;
-}
-
-// Paged indices for kv lengths: page counts (indptr) and last page lengths.
-void paged_lengths(const std::vector<int32_t>& kv_lens, int page_size,
-                   std::vector<int32_t>* page_indptr, std::vector<int32_t>* last_page_len) {
-  page_indptr->assign(kv_lens.size() + 1, 0);
-  last_page_len->assign(kv_lens.size(), 1);
-  for (size_t b = 0; b < kv_lens.size(); ++b) {
-    const int32_t pages = (kv_lens[b] + page_size - 1) / page_size;
-    (*page_indptr)[b + 1] = (*page_indptr)[b] + pages;
-    (*last_page_len)[b] = pages == 0 ? 1 : kv_lens[b] - (pages - 1) * page_size;
-  }
-}
+using test::indptr_of;
+using test::paged_lengths;
 
 TEST(PlanCapacity, PlanOverCapacityIsAClearError) {
   std::vector<int32_t> indptr, last;
@@ -227,86 +214,14 @@ using test::DeviceBuffer;
 using test::kGpu;
 using test::reduced_run;
 
-#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr
 
 uint64_t base_seed() { return test::seed_from_env(20251204ull); }
 
-std::vector<uint16_t> random_fp16(std::mt19937_64& rng, size_t count) {
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<uint16_t> values(count);
-  for (auto& v : values) v = detail::float_to_fp16(dist(rng));
-  return values;
-}
-
-// Reference of one (token, head) row: softmax(q k^T * scale) v over the visible keys `keys`
-// (row indices into the K/V element arrays, stride `kv_row_stride` per key, plus the head
-// offset). Returns false when no key is visible (o = 0, lse = -inf).
-struct RowReference {
-  std::vector<double> o;
-  double lse = -INFINITY;
-};
-
-RowReference reference_row(const uint16_t* q_row, const std::vector<uint16_t>& k,
-                           const std::vector<uint16_t>& v, const std::vector<int64_t>& key_offsets,
-                           int head_dim, double scale) {
-  RowReference ref;
-  ref.o.assign(head_dim, 0.0);
-  if (key_offsets.empty()) return ref;
-  std::vector<double> q(head_dim);
-  for (int d = 0; d < head_dim; ++d) q[d] = detail::fp16_to_float(q_row[d]);
-  std::vector<double> scores(key_offsets.size());
-  double max_score = -INFINITY;
-  for (size_t j = 0; j < key_offsets.size(); ++j) {
-    const uint16_t* k_row = k.data() + key_offsets[j];
-    double dot = 0;
-    for (int d = 0; d < head_dim; ++d) dot += q[d] * detail::fp16_to_float(k_row[d]);
-    scores[j] = dot * scale;
-    max_score = std::max(max_score, scores[j]);
-  }
-  double sum = 0;
-  for (size_t j = 0; j < key_offsets.size(); ++j) {
-    const double w = std::exp(scores[j] - max_score);
-    sum += w;
-    const uint16_t* v_row = v.data() + key_offsets[j];
-    for (int d = 0; d < head_dim; ++d) ref.o[d] += w * detail::fp16_to_float(v_row[d]);
-  }
-  for (double& x : ref.o) x /= sum;
-  ref.lse = max_score + std::log(sum);
-  return ref;
-}
-
-// Compares one row of o (fp16) and lse against the reference; returns an error text or "".
-std::string compare_row(const uint16_t* o_row, float lse, const RowReference& ref, int head_dim) {
-  double worst = 0;
-  for (int d = 0; d < head_dim; ++d) {
-    const double got = detail::fp16_to_float(o_row[d]);
-    const double err = std::abs(got - ref.o[d]) - 1e-2 * std::abs(ref.o[d]);
-    if (!(err <= 3e-3)) return "o[" + std::to_string(d) + "] = " + std::to_string(got) +
-                               ", reference " + std::to_string(ref.o[d]);
-    worst = std::max(worst, err);
-  }
-  if (std::isinf(ref.lse)) {
-    if (!(std::isinf(lse) && lse < 0)) return "lse = " + std::to_string(lse) + ", expected -inf";
-  } else if (!(std::abs(lse - ref.lse) <= 1e-2 + 1e-3 * std::abs(ref.lse))) {
-    return "lse = " + std::to_string(lse) + ", reference " + std::to_string(ref.lse);
-  }
-  return "";
-}
-
-// Rows to check at a step: all of them every 50th step (and the first), else a few random ones.
-std::vector<int64_t> rows_to_check(std::mt19937_64& rng, int step, int64_t rows) {
-  std::vector<int64_t> picked;
-  if (step % 50 == 0) {
-    picked.resize(rows);
-    std::iota(picked.begin(), picked.end(), 0);
-    return picked;
-  }
-  for (int i = 0; i < 6 && rows > 0; ++i) {
-    picked.push_back(std::uniform_int_distribution<int64_t>(0, rows - 1)(rng));
-  }
-  picked.push_back(rows - 1);  // the last row of the batch
-  return picked;
-}
+using test::compare_row;
+using test::random_fp16;
+using test::reference_row;
+using test::RowReference;
+using test::rows_to_check;
 
 using Stream = test::CudaStream;
 using Graph = test::CudaGraph;
@@ -688,139 +603,6 @@ TEST(CudaGraph, StreamCaptureIdNamesEachCapture) {
   EXPECT_NE(ids[0], ids[1]);
 }
 
-// ---------------------------------------------------------------------------- ragged prefill
-
-TEST(CudaGraph, RaggedPrefillGraphReplaysAnyPlanOfItsCapacity) {
-  TESSERA_SKIP_WITHOUT_GPU();
-  constexpr int kMaxBatch = 8, kMaxQ = 128, kMaxKv = 1024;
-  constexpr int kQoHeads = 8, kKvHeads = 2, kHeadDim = 128;
-  constexpr int kMaxTotalQ = kMaxBatch * kMaxQ, kMaxTotalKv = kMaxBatch * kMaxKv;
-  constexpr int64_t kQRow = int64_t{kQoHeads} * kHeadDim, kKvRow = int64_t{kKvHeads} * kHeadDim;
-  std::mt19937_64 rng(base_seed() + 3);
-  const std::vector<uint16_t> k_host = random_fp16(rng, size_t{kMaxTotalKv} * kKvRow);
-  const std::vector<uint16_t> v_host = random_fp16(rng, size_t{kMaxTotalKv} * kKvRow);
-  DeviceBuffer k(k_host), v(v_host);
-  DeviceBuffer q(size_t{kMaxTotalQ} * kQRow * 2), o(size_t{kMaxTotalQ} * kQRow * 2);
-  DeviceBuffer lse(size_t{kMaxTotalQ} * kQoHeads * 4);
-  DeviceBuffer qo_indptr(size_t{kMaxBatch + 1} * 4), kv_indptr(size_t{kMaxBatch + 1} * 4);
-  Stream stream;
-  const cudaStream_t s = stream.get();
-  AttentionOptions options;
-  options.causal = true;
-
-  std::vector<int32_t> q_lens, kv_lens, qo_host, kv_host;
-  std::vector<uint16_t> q_host;
-  const auto set_batch = [&](std::vector<int32_t> qs, std::vector<int32_t> kvs) {
-    q_lens = std::move(qs);
-    kv_lens = std::move(kvs);
-    qo_host = indptr_of(q_lens);
-    kv_host = indptr_of(kv_lens);
-    q_host = random_fp16(rng, std::max<size_t>(1, size_t(qo_host.back()) * kQRow));
-    ASSERT_EQ(cudaMemcpyAsync(qo_indptr.data(), qo_host.data(), qo_host.size() * 4,
-                              cudaMemcpyHostToDevice, s), cudaSuccess);
-    ASSERT_EQ(cudaMemcpyAsync(kv_indptr.data(), kv_host.data(), kv_host.size() * 4,
-                              cudaMemcpyHostToDevice, s), cudaSuccess);
-    ASSERT_EQ(cudaMemcpyAsync(q.data(), q_host.data(), q_host.size() * 2,
-                              cudaMemcpyHostToDevice, s), cudaSuccess);
-  };
-  const auto view3 = [&](const DeviceBuffer& buffer, int64_t rows, int heads) {
-    return test::gpu_view(buffer, DType::kFloat16, {rows, heads, kHeadDim},
-                          {int64_t{heads} * kHeadDim, kHeadDim, 1});
-  };
-  const auto check = [&](int step) -> std::string {
-    const int64_t total_q = qo_host.back();
-    std::vector<uint16_t> o_host(size_t(total_q) * kQRow);
-    std::vector<float> lse_host(size_t(total_q) * kQoHeads);
-    if (cudaMemcpyAsync(o_host.data(), o.data(), o_host.size() * 2, cudaMemcpyDeviceToHost,
-                        s) != cudaSuccess ||
-        cudaMemcpyAsync(lse_host.data(), lse.data(), lse_host.size() * 4,
-                        cudaMemcpyDeviceToHost, s) != cudaSuccess ||
-        cudaStreamSynchronize(s) != cudaSuccess) {
-      return "CUDA error";
-    }
-    detail::MaskSpec mask;
-    mask.causal = true;
-    const double scale = 1.0 / std::sqrt(double{kHeadDim});
-    for (const int64_t row : rows_to_check(rng, step, total_q * kQoHeads)) {
-      const int64_t token = row / kQoHeads;
-      const int h = static_cast<int>(row % kQoHeads);
-      const int b = static_cast<int>(
-          std::upper_bound(qo_host.begin(), qo_host.end(), static_cast<int32_t>(token)) -
-          qo_host.begin() - 1);
-      int32_t first, last;
-      mask.visible_range(static_cast<int32_t>(token - qo_host[b]), q_lens[b], kv_lens[b], &first,
-                         &last);
-      std::vector<int64_t> keys;
-      for (int32_t j = first; j < last; ++j) {
-        keys.push_back((kv_host[b] + j) * kKvRow + (h / (kQoHeads / kKvHeads)) * kHeadDim);
-      }
-      const RowReference ref =
-          reference_row(q_host.data() + row * kHeadDim, k_host, v_host, keys, kHeadDim, scale);
-      const std::string error =
-          compare_row(o_host.data() + row * kHeadDim, lse_host[row], ref, kHeadDim);
-      if (!error.empty()) {
-        return "request " + std::to_string(b) + " token " + std::to_string(token) + " head " +
-               std::to_string(h) + ": " + error;
-      }
-    }
-    return "";
-  };
-  const auto poison = [&] {
-    ASSERT_EQ(cudaMemsetAsync(o.data(), 0xff, o.bytes(), s), cudaSuccess);
-    ASSERT_EQ(cudaMemsetAsync(lse.data(), 0xff, lse.bytes(), s), cudaSuccess);
-  };
-
-  const PlanCapacity capacity = plan_capacity(AttentionOp::kRaggedPrefill, kMaxBatch, kMaxTotalQ,
-                                              kMaxKv, kQoHeads, kKvHeads, kHeadDim, kGpu);
-  set_batch(std::vector<int32_t>(kMaxBatch, kMaxQ), std::vector<int32_t>(kMaxBatch, kMaxKv));
-  Plan max_plan = plan_ragged_prefill(qo_host, kv_host, kQoHeads, kKvHeads, kHeadDim, options,
-                                      kGpu, capacity);
-  DeviceBuffer workspace(max_plan.workspace_bytes);
-  const Workspace ws{workspace.data(), workspace.bytes()};
-  upload_plan(max_plan, ws, s);
-  Graph graph;
-  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  try {
-    run_ragged_prefill(max_plan, view3(q, kMaxTotalQ, kQoHeads), view3(k, kMaxTotalKv, kKvHeads),
-                       view3(v, kMaxTotalKv, kKvHeads),
-                       test::gpu_index_view(qo_indptr, kMaxBatch + 1),
-                       test::gpu_index_view(kv_indptr, kMaxBatch + 1),
-                       view3(o, kMaxTotalQ, kQoHeads),
-                       test::gpu_view(lse, DType::kFloat32, {kMaxTotalQ, kQoHeads},
-                                      {kQoHeads, 1}),
-                       ws, s);
-  } catch (const std::exception& e) {
-    cudaStreamEndCapture(s, &graph.graph);
-    FAIL() << "run_ragged_prefill during capture: " << e.what();
-  }
-  CUDA_OK(cudaStreamEndCapture(s, &graph.graph));
-  CUDA_OK(cudaGraphInstantiate(&graph.exec, graph.graph, 0));
-  poison();
-  CUDA_OK(cudaGraphLaunch(graph.exec, s));
-  ASSERT_EQ(check(0), "") << "max plan replay";
-
-  const int steps = reduced_run() ? 20 : 200;
-  for (int step = 1; step <= steps; ++step) {
-    const int batch = test::uniform(rng, 1, kMaxBatch);
-    std::vector<int32_t> qs(batch), kvs(batch);
-    for (int b = 0; b < batch; ++b) {
-      qs[b] = test::chance(rng, 0.05) ? 0 : test::uniform(rng, 1, kMaxQ);
-      kvs[b] = test::uniform(rng, qs[b], kMaxKv);
-    }
-    set_batch(qs, kvs);
-    if (qo_host.back() == 0) continue;
-    Plan plan;
-    ASSERT_NO_THROW(plan = plan_ragged_prefill(qo_host, kv_host, kQoHeads, kKvHeads, kHeadDim,
-                                               options, kGpu, capacity))
-        << "step " << step;
-    upload_plan(plan, ws, s);
-    poison();
-    CUDA_OK(cudaGraphLaunch(graph.exec, s));
-    const std::string error = check(step);
-    ASSERT_EQ(error, "") << "step " << step << ", batch " << batch << ", " << plan.work.size()
-                         << " work items, " << plan.merges.size() << " merges";
-  }
-}
 
 #endif  // TESSERA_HAVE_CUDA
 
