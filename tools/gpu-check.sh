@@ -22,8 +22,15 @@
 # TESSERA_BENCH_VARIANTS: A/B runs of the bench in the same call, ';'-separated, each
 # "VAR=VALUE[,VAR=VALUE...][@FILTER]" (e.g. "TESSERA_BENCH_PAGES=ordered@p16;TESSERA_SM90_WIDE=0@prefill"),
 # into bench-variants.log.
+# FlashInfer (optional): when the repo root holds .whl/ (flashinfer-python and the wheels it
+# needs, docs/DEVELOPING.md; carried), they are installed into /tmp/site and bench/compare.py
+# times FlashInfer beside SDPA, JIT-compiling into FLASHINFER_WORKSPACE_BASE (default
+# /tmp/flashinfer; MAX_JOBS nvcc jobs, default 12) first, and writes flashinfer.json
+# (tools/perf-doc.py reads it).
+# TESSERA_SKIP_FLASHINFER=1 leaves it out; TESSERA_COMPARE_ARGS: extra compare.py arguments
+# (e.g. "--flashinfer-only", "--filter d128").
 # Files: micro.log, tests.log (tests, SASS, sanitizer), bench.log/json, compare.log/json/png,
-# python.log, ncu.log, ncu-source-N.csv, extra.log, extra-decode-compare.json,
+# flashinfer.json, python.log, ncu.log, ncu-source-N.csv, extra.log, extra-decode-compare.json,
 # bench-variants.log.
 set -uo pipefail
 out=${1:?usage: tools/gpu-check.sh OUT_DIR [BUILD_DIR]}
@@ -155,6 +162,40 @@ if [ "${TESSERA_SKIP_SANITIZER:-0}" != 1 ]; then
   sed -n '/^=== sanitizer/,$p' "$log" | grep -E "^(===|exit|=========.*ERROR SUMMARY)"
 fi
 
+# 3b. Optional: FlashInfer for the comparison, from the wheels in .whl/ (installed with
+#     --no-deps; no network there). compare_env holds what compare.py then runs with; without
+#     .whl it stays empty and compare.py runs as before (it says FlashInfer was not found).
+compare_env=()
+flashinfer_out=()
+if [ "${TESSERA_SKIP_FLASHINFER:-0}" != 1 ] && compgen -G "$root/.whl/*.whl" >/dev/null; then
+  site=/tmp/site
+  fi_base=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer}
+  mkdir -p "$fi_base"
+  {
+    echo "=== FlashInfer wheels: $(cd "$root/.whl" && ls ./*.whl | tr '\n' ' ')"
+    if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" "$root"/.whl/*.whl; then
+      fi_import() {
+        PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" FLASHINFER_WORKSPACE_BASE="$fi_base" \
+          timeout 300 python3 -c 'import flashinfer; print("flashinfer", flashinfer.__version__)'
+      }
+      if ! fi_import && [ -d "$site/cudnn" ]; then
+        # flashinfer imports the cuDNN frontend only for its cudnn backend (and catches an
+        # ImportError); if the frontend itself breaks the import, go on without it.
+        echo "flashinfer did not import: again without nvidia-cudnn-frontend"
+        rm -rf "$site/cudnn" "$site"/nvidia_cudnn_frontend*
+        fi_import || true
+      fi
+    else
+      echo "FAILED: pip install of .whl/*.whl"
+    fi
+  } 2>&1 | tee -a "$log"
+  # MAX_JOBS: FlashInfer's parallel nvcc jobs (its sm90 kernels take several GB each to build).
+  compare_env=(env "PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}" "FLASHINFER_WORKSPACE_BASE=$fi_base"
+    "MAX_JOBS=${MAX_JOBS:-12}")
+  flashinfer_out=(--flashinfer-out "$out/flashinfer.json")
+fi
+
 # 4. Benchmark and the side-by-side comparison, in the same device session.
 if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
   # shellcheck disable=SC2086
@@ -167,8 +208,11 @@ if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
     TESSERA_PREFILL_KERNEL=sm80 timeout 900 "$build/tessera" bench --quiet --filter prefill \
       >>"$out/bench.log" 2>&1 || status=1
   fi
-  PYTHONUNBUFFERED=1 timeout 900 python3 "$root/bench/compare.py" "$out/bench.json" \
-    --out "$out/compare.json" --png "$out/compare.png" >"$out/compare.log" 2>&1 || status=1
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 timeout 900 ${compare_env[@]+"${compare_env[@]}"} python3 \
+    "$root/bench/compare.py" "$out/bench.json" --out "$out/compare.json" --png "$out/compare.png" \
+    ${flashinfer_out[@]+"${flashinfer_out[@]}"} ${TESSERA_COMPARE_ARGS:-} >"$out/compare.log" 2>&1 ||
+    status=1
   cat "$out/compare.log"
 fi
 
