@@ -191,8 +191,8 @@ if [ "${TESSERA_SKIP_FLASHINFER:-0}" != 1 ] && compgen -G "$root/.whl/*.whl" >/d
     fi
   } 2>&1 | tee -a "$log"
   # MAX_JOBS: FlashInfer's parallel nvcc jobs (its sm90 kernels take several GB each to build).
-  compare_env=(env "PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}" "FLASHINFER_WORKSPACE_BASE=$fi_base"
-    "MAX_JOBS=${MAX_JOBS:-12}")
+  compare_env=(env "PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}"
+    "FLASHINFER_WORKSPACE_BASE=$fi_base" "MAX_JOBS=${MAX_JOBS:-12}")
   flashinfer_out=(--flashinfer-out "$out/flashinfer.json")
 fi
 
@@ -211,8 +211,8 @@ if [ "${TESSERA_SKIP_BENCH:-0}" != 1 ]; then
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 timeout 900 ${compare_env[@]+"${compare_env[@]}"} python3 \
     "$root/bench/compare.py" "$out/bench.json" --out "$out/compare.json" --png "$out/compare.png" \
-    ${flashinfer_out[@]+"${flashinfer_out[@]}"} ${TESSERA_COMPARE_ARGS:-} >"$out/compare.log" 2>&1 ||
-    status=1
+    ${flashinfer_out[@]+"${flashinfer_out[@]}"} ${TESSERA_COMPARE_ARGS:-} \
+    >"$out/compare.log" 2>&1 || status=1
   cat "$out/compare.log"
 fi
 
