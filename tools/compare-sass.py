@@ -7,6 +7,10 @@ Uses cuobjdump (the CUDA toolkit's or the one the triton wheel carries; also TES
 Per kernel (mangled name, per architecture) it reports: identical; identical except for
 constant-bank offsets (c[0x0][0x...]: a kernel-parameter struct changed layout); or different,
 with the count of differing instructions. Kernels only in one build are listed as removed/added.
+A renamed kernel pairs with its old self through --rename OLD_REGEX=NEW_TEXT (repeatable; applied
+to the new build's demangled names, which are then compared with the old build's demangled ones):
+  --rename 'CudaCoreDecode<(.*)> >\(=\1>(' pairs decode_kernel<CudaCoreDecode<T, q, kv> > with
+  decode_kernel<T, q, kv>.
 Exit status 0 always: the differences are for a person to explain.
 """
 import argparse
@@ -59,15 +63,30 @@ def kernels(cuobjdump, lib):
     return result
 
 
+def demangled(table):
+    """The same table keyed by (arch, demangled name), through c++filt."""
+    keys = list(table)
+    text = subprocess.run(["c++filt"], input="\n".join(k[1] for k in keys), check=True,
+                          capture_output=True, text=True).stdout.splitlines()
+    return {(k[0], name): table[k] for k, name in zip(keys, text)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("old")
     parser.add_argument("new")
     parser.add_argument("--cuobjdump")
     parser.add_argument("--show", type=int, default=0, help="print N differing lines per kernel")
+    parser.add_argument("--rename", action="append", default=[], metavar="OLD_REGEX=NEW_TEXT",
+                        help="rewrite the new build's demangled names before pairing")
     args = parser.parse_args()
     tool = find_cuobjdump(args.cuobjdump)
     old, new = kernels(tool, args.old), kernels(tool, args.new)
+    if args.rename:
+        old, new = demangled(old), demangled(new)
+        for rule in args.rename:
+            pattern, replacement = rule.split("=", 1)
+            new = {(k[0], re.sub(pattern, replacement, k[1])): v for k, v in new.items()}
     counts = {"identical": 0, "constants only": 0, "different": 0}
     for key in sorted(set(old) | set(new)):
         label = f"{key[0]} {key[1]}"

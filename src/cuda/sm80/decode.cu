@@ -1,7 +1,8 @@
 // Run side of the sm80 batch decode: the plan's registry row (chosen at plan time,
 // cuda/kernel_select.cpp) with the fallbacks only the tensors can decide (fp8 K/V, unaligned
 // rows, the fp16 tuning entry), and the launch over an uploaded plan. The kernels are in
-// decode_kernel.cuh / decode_mma.cuh, their rows added per head_dim by decode_d*.cu.
+// decode_kernel.cuh (one kernel template over a compute policy: decode_cuda_core.cuh,
+// decode_mma.cuh), their rows added per head_dim by decode_d*.cu.
 #include <cuda_runtime.h>
 
 #include <algorithm>

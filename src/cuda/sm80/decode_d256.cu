@@ -2,7 +2,7 @@
 // zero-padded): q fp16/bf16 x K/V (same dtype, fp8 e4m3, fp8 e5m2) x 1/2/4 query rows per row
 // slot. One translation unit per head_dim so the build parallelises; shapes are in
 // decode_traits.cuh.
-#include "cuda/sm80/decode_kernel.cuh"
+#include "cuda/sm80/decode_cuda_core.cuh"
 #include "cuda/sm80/decode_mma.cuh"
 
 namespace tessera::detail::sm80 {

@@ -1,17 +1,19 @@
-// The sm80 batch decode kernel: persistent CTAs walk their worker's work items; each item is
-// (request, kv head, query tokens, key range) and covers the whole GQA group of its kv head, so
-// every K/V row is read from memory once per item. Shapes and the shared-memory map are in
-// decode_traits.cuh, element conversions in decode_dequant.cuh.
+// The sm80 batch decode kernel, one template over its compute policy: persistent CTAs walk their
+// worker's work items; each item is (request, kv head, query tokens, key range) and covers the
+// whole GQA group of its kv head, so every K/V row is read from memory once per item.
 //
-// Per item:
-//   1. geometry: the item's packed query rows (token t, group head g -> row t * group + g) and
-//      the union of their visible key ranges (causal / window clip it; nothing outside is read);
-//   2. passes of up to kRowsPerPass rows (one pass unless q_per_request x group is large): each
-//      row slot loads its query rows into registers, pre-scaled so scores come out in base 2;
-//   3. the key loop: a kStages-deep cp.async ring of K/V tiles, page lookups one tile ahead,
-//      scores per chunk of kKeysPerChunk keys, online softmax, P x V on CUDA cores;
-//   4. key partitions of a row group are merged in shared memory and the rows are written: o in
-//      q's dtype and natural-log lse, or float partials for a split-KV piece.
+// What every policy shares (this file):
+//   * the item's geometry: its packed query rows (token t, group head g -> row t * group + g) and
+//     the union of their visible key ranges (causal / window clip it; nothing outside is read);
+//   * the loader: a kStages-deep cp.async ring of K/V tiles fed by page lookups kStages tiles
+//     ahead (stream_key_tiles), and the output store (o in q's dtype and natural-log lse, or
+//     float partials for a split-KV piece);
+//   * the kernel itself (decode_kernel<Policy>) and its registry instance.
+// What a policy brings (Policy::run_item): how query rows are held, how a tile is consumed and
+// how key partitions are merged. Two policies:
+//   * decode_cuda_core.cuh: row slots of lanes, fp32 FMA; every K/V dtype and head_dim;
+//   * decode_mma.cuh: mma.sync m16n8k16 over the packed rows; fp16/bf16, head_dim <= 128, with
+//     a cross-item prefetch and the split-KV merge fused in.
 // Rows that see no key end with o = 0 and lse = -inf: the running max stays -inf, every exp2 is
 // taken against a finite base (0 when the max is -inf), and zero-filled tail rows of the last
 // tile keep 0 * V finite.
@@ -38,7 +40,6 @@
 
 namespace tessera::detail::sm80 {
 
-// ---------------------------------------------------------------------------- small helpers
 
 // Sum over the kLanes lanes of a row slot (aligned lane groups of one warp). Every lane of the
 // warp executes it: callers keep their loops uniform across the warp.
@@ -176,212 +177,70 @@ __device__ __forceinline__ void copy_key_chunk(uint8_t* destination, const uint8
   }
 }
 
-// Issues the copies of one K/V tile into ring stage `stage`, whose key-row offsets sit in the
-// offsets slot of the same index. Thread t copies chunk t % kCopiesPerRow of rows
-// t / kCopiesPerRow + pass * kRowsPerCopyPass: consecutive threads, consecutive 16 bytes.
+
+// Key-row offsets of the item's first kStages tiles (their page lookups all in flight at once).
 template <class Traits>
-__device__ __forceinline__ void issue_tile_copies(const DecodeArgs& args, uint8_t* shared,
-                                                  const longlong2* key_offsets, int stage) {
-  const KVSource& kv = args.problem.kv;
-  const auto* k_base = static_cast<const uint8_t*>(kv.k);
-  const auto* v_base = static_cast<const uint8_t*>(kv.v);
-  const int chunk = threadIdx.x % Traits::kCopiesPerRow;
-  const int32_t chunk_byte = chunk * Traits::kCopyBytes;
-  const int32_t row_bytes = args.problem.head_dim * Traits::kKVBytes;  // real, not padded
-  const uint32_t chunk_bytes =
-      static_cast<uint32_t>(max(0, min(Traits::kCopyBytes, row_bytes - chunk_byte)));  // 0, 8 or 16
-  uint8_t* k_stage = shared + Traits::kKRingOffset + stage * Traits::kTileBytes;
-  uint8_t* v_stage = shared + Traits::kVRingOffset + stage * Traits::kTileBytes;
-  const longlong2* offsets = key_offsets + stage * Traits::kTileKeys;
-#pragma unroll
-  for (int pass = 0; pass < Traits::kCopyPasses; ++pass) {
-    const int row = threadIdx.x / Traits::kCopiesPerRow + pass * Traits::kRowsPerCopyPass;
-    const longlong2 offset = offsets[row];
-    const uint32_t valid = offset.x >= 0 ? chunk_bytes : 0u;
-    const int64_t k_byte = offset.x * Traits::kKVBytes + chunk_byte;
-    const int64_t v_byte = offset.y * Traits::kKVBytes + chunk_byte;
-    const int shared_byte = row * Traits::kRowBytes + chunk_byte;
-    copy_key_chunk(k_stage + shared_byte, valid > 0 ? k_base + k_byte : k_base, valid,
-                   args.copy_granularity, kv.k);
-    copy_key_chunk(v_stage + shared_byte, valid > 0 ? v_base + v_byte : v_base, valid,
-                   args.copy_granularity, kv.v);
-  }
-}
-
-// ---------------------------------------------------------------------------- compute
-
-// The query rows one row slot holds, with their softmax state.
-template <class Traits>
-struct SlotRows {
-  static constexpr int kRows = Traits::kRowsPerThread;
-  float q[kRows][Traits::kVec];  // pre-scaled query features of this lane
-  float o[kRows][Traits::kVec];  // unnormalised output features of this lane
-  float max_score[kRows];        // running max of the base-2 scores (-inf: none yet)
-  float sum_exp[kRows];          // running sum of 2^(score - max_score)
-  int32_t first_key[kRows];      // visible keys [first_key, last_key); empty for padding rows
-  int32_t last_key[kRows];
-};
-
-template <class Traits, DType kQDType>
-__device__ __forceinline__ void load_slot_rows(const DecodeArgs& args, const DecodeItem& item,
-                                               int32_t first_row, bool active, int lane,
-                                               SlotRows<Traits>& rows) {
-  const AttentionProblem& problem = args.problem;
-#pragma unroll
-  for (int i = 0; i < Traits::kRowsPerThread; ++i) {
-    const int32_t row = first_row + i;
-    rows.max_score[i] = -INFINITY;
-    rows.sum_exp[i] = 0.0f;
-    rows.first_key[i] = rows.last_key[i] = 0;
-#pragma unroll
-    for (int e = 0; e < Traits::kVec; ++e) rows.q[i][e] = rows.o[i][e] = 0.0f;
-    if (!active || row >= item.rows) continue;
-    const int32_t t = row / item.group;
-    const int32_t head = item.work.kv_head * item.group + (row - t * item.group);
-    const int64_t token = problem.q_begin(item.work.request) + item.work.q_start + t;
-    const auto* q_row = static_cast<const uint16_t*>(problem.q) + token * problem.q_stride_token +
-                        head * problem.q_stride_head;
-#pragma unroll
-    for (int e = 0; e < Traits::kVec; ++e) {
-      const int feature = lane * Traits::kVec + e;
-      if (feature < problem.head_dim) {
-        rows.q[i][e] = QElement<kQDType>::load(q_row + feature) * args.q_scale;
-      }
-    }
-    item_visible_keys(problem, item, t, &rows.first_key[i], &rows.last_key[i]);
-  }
-}
-
-// Scores, online softmax and P x V for the chunks of one tile that belong to this slot's key
-// partition. The step count is the same for every slot of the CTA, so the shuffles inside are
-// executed by all lanes of every warp; a slot without a chunk in a step masks all its keys.
-template <class Traits, DType kKVDType>
-__device__ __forceinline__ void consume_tile(const DecodeArgs& args, const uint8_t* k_stage,
-                                             const uint8_t* v_stage, int32_t tile_first_key,
-                                             int partitions, int partition, int lane,
-                                             SlotRows<Traits>& rows) {
-  constexpr int kRows = Traits::kRowsPerThread;
-  constexpr int kKeys = Traits::kKeysPerChunk;
-  const int steps = (Traits::kChunksPerTile + partitions - 1) / partitions;
-  const int lane_byte = lane * Traits::kVec * Traits::kKVBytes;
+__device__ __forceinline__ void fill_first_key_offsets(const DecodeArgs& args,
+                                                       const DecodeItem& item,
+                                                       longlong2* key_offsets) {
 #pragma unroll 1
-  for (int step = 0; step < steps; ++step) {
-    const int chunk = partition + step * partitions;
-    const bool chunk_valid = partition < partitions && chunk < Traits::kChunksPerTile;
-    const int chunk_row = (chunk_valid ? chunk : 0) * kKeys;
-    const int32_t chunk_first_key = tile_first_key + chunk * kKeys;
-
-    float score[kKeys][kRows];
-#pragma unroll
-    for (int k = 0; k < kKeys; ++k) {
-      float key[Traits::kVec];
-      KVElement<kKVDType>::load8(k_stage + (chunk_row + k) * Traits::kRowBytes + lane_byte, key);
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < Traits::kVec; ++e) dot = fmaf(rows.q[i][e], key[e], dot);
-        score[k][i] = row_slot_sum<Traits::kLanesPerRow>(dot);
-      }
-    }
-
-    float probability[kKeys][kRows];
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      float chunk_max = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < kKeys; ++k) {
-        float s = args.soft_cap ? args.soft_cap_log2 * soft_cap_tanh(score[k][i]) : score[k][i];
-        const int32_t key_index = chunk_first_key + k;
-        const bool visible =
-            chunk_valid && key_index >= rows.first_key[i] && key_index < rows.last_key[i];
-        s = visible ? s : -INFINITY;
-        score[k][i] = s;
-        chunk_max = fmaxf(chunk_max, s);
-      }
-      const float new_max = fmaxf(rows.max_score[i], chunk_max);
-      const float base = new_max == -INFINITY ? 0.0f : new_max;  // no -inf - -inf
-      const float rescale = ptx::ex2_approx(rows.max_score[i] - base);
-      rows.max_score[i] = new_max;
-      float sum = rows.sum_exp[i] * rescale;
-#pragma unroll
-      for (int k = 0; k < kKeys; ++k) {
-        probability[k][i] = ptx::ex2_approx(score[k][i] - base);
-        sum += probability[k][i];
-      }
-      rows.sum_exp[i] = sum;
-#pragma unroll
-      for (int e = 0; e < Traits::kVec; ++e) rows.o[i][e] *= rescale;
-    }
-
-#pragma unroll
-    for (int k = 0; k < kKeys; ++k) {
-      float value[Traits::kVec];
-      KVElement<kKVDType>::load8(v_stage + (chunk_row + k) * Traits::kRowBytes + lane_byte, value);
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-#pragma unroll
-        for (int e = 0; e < Traits::kVec; ++e) {
-          rows.o[i][e] = fmaf(probability[k][i], value[e], rows.o[i][e]);
-        }
-      }
-    }
-  }
-}
-
-// Streams the item's key range through the ring and consumes it.
-template <class Traits, DType kKVDType>
-__device__ __forceinline__ void run_key_loop(const DecodeArgs& args, const DecodeItem& item,
-                                             uint8_t* shared, int partitions, int partition,
-                                             int lane, SlotRows<Traits>& rows) {
-  constexpr int kStages = Traits::kStages;
-  constexpr int kTileKeys = Traits::kTileKeys;
-  auto* key_offsets = reinterpret_cast<longlong2*>(shared + Traits::kKeyOffsetsOffset);
-  const int32_t num_tiles = (item.key_end - item.key_begin + kTileKeys - 1) / kTileKeys;
-
-  // Prologue: offsets of tiles 0 .. kStages-1 (all their page lookups in flight at once), then
-  // the copies of tiles 0 .. kStages-2.
-  for (int index = threadIdx.x; index < kStages * kTileKeys; index += Traits::kNumThreads) {
+  for (int index = threadIdx.x; index < Traits::kStages * Traits::kTileKeys;
+       index += Traits::kNumThreads) {
     const PrefetchedKey key = prefetch_key(args, item, int64_t{item.key_begin} + index);
     key_offsets[index] = key_row_offsets(args, item, key);
   }
+}
+
+// Streams the item's key range through the ring: copy_tile(key_offsets, stage) issues one tile's
+// copies into a ring stage, consume(stage, first_key) uses a landed one, after_tile(tile) runs
+// at the end of each iteration (uniform across the CTA). key_offsets holds kStages tiles' offsets
+// (already filled when offsets_ready). Ends with the ring drained and free for a merge.
+template <class Traits, class CopyTile, class Consume, class AfterTile>
+__device__ __forceinline__ void stream_key_tiles(const DecodeArgs& args, const DecodeItem& item,
+                                                 longlong2* key_offsets, bool offsets_ready,
+                                                 CopyTile&& copy_tile, Consume&& consume,
+                                                 AfterTile&& after_tile) {
+  constexpr int kStages = Traits::kStages;
+  constexpr int kTileKeys = Traits::kTileKeys;
+  const int32_t num_tiles = (item.key_end - item.key_begin + kTileKeys - 1) / kTileKeys;
+
+  // Prologue: the copies of tiles 0 .. kStages-2.
+  if (!offsets_ready) fill_first_key_offsets<Traits>(args, item, key_offsets);
   __syncthreads();
 #pragma unroll
   for (int stage = 0; stage < kStages - 1; ++stage) {
-    if (stage < num_tiles) issue_tile_copies<Traits>(args, shared, key_offsets, stage);
+    if (stage < num_tiles) copy_tile(key_offsets, stage);
     ptx::cp_async_commit_group();
   }
 
 #pragma unroll 1
   for (int32_t tile = 0; tile < num_tiles; ++tile) {
-    // Tile `tile` has landed once at most kStages-2 younger groups are pending; the barrier
-    // makes every thread's copies visible and retires the stage consumed last iteration.
-    ptx::cp_async_wait_group<kStages - 2>();
-    __syncthreads();
-    const int stage = tile % kStages;
-    // Page lookup of tile + kStages now; its offsets are stored after this tile's compute,
-    // hiding the global-memory latency behind it.
+    // Page lookup of tile + kStages first, so its latency overlaps the wait below as well as
+    // this tile's compute; its offsets are stored at the end of the iteration.
     PrefetchedKey next_key{-1, 0};
     if (threadIdx.x < kTileKeys) {
       next_key = prefetch_key(
           args, item, int64_t{item.key_begin} + int64_t{tile + kStages} * kTileKeys + threadIdx.x);
     }
+    // Tile `tile` has landed once at most kStages-2 younger groups are pending; the barrier
+    // makes every thread's copies visible and retires the stage consumed last iteration.
+    ptx::cp_async_wait_group<kStages - 2>();
+    __syncthreads();
+    const int stage = tile % kStages;
     const int32_t refill = tile + kStages - 1;
-    if (refill < num_tiles) issue_tile_copies<Traits>(args, shared, key_offsets, refill % kStages);
+    if (refill < num_tiles) copy_tile(key_offsets, refill % kStages);
     ptx::cp_async_commit_group();
 
-    consume_tile<Traits, kKVDType>(args, shared + Traits::kKRingOffset + stage * Traits::kTileBytes,
-                                   shared + Traits::kVRingOffset + stage * Traits::kTileBytes,
-                                   item.key_begin + tile * kTileKeys, partitions, partition, lane,
-                                   rows);
+    consume(stage, item.key_begin + tile * kTileKeys);
 
     // Offsets slot `stage` held tile `tile`'s offsets, read when its copies were issued.
     if (threadIdx.x < kTileKeys) {
       key_offsets[stage * kTileKeys + threadIdx.x] = key_row_offsets(args, item, next_key);
     }
+    after_tile(tile);
   }
   ptx::cp_async_wait_group<0>();
-  __syncthreads();  // the ring is free: the merge below reuses it
+  __syncthreads();  // the ring is free: the merge reuses it
 }
 
 // ---------------------------------------------------------------------------- epilogue
@@ -413,103 +272,19 @@ __device__ __forceinline__ void store_output_quad(const DecodeArgs& args, const 
   }
 }
 
-// Merges the key partitions of every row group of the pass and writes the rows.
-template <class Traits, DType kQDType>
-__device__ __forceinline__ void merge_and_store(const DecodeArgs& args, const DecodeItem& item,
-                                                uint8_t* shared, int32_t first_group, int groups,
-                                                int partitions, int slot, int lane,
-                                                const SlotRows<Traits>& rows) {
-  constexpr int kRows = Traits::kRowsPerThread;
-  auto* merge_o = reinterpret_cast<float*>(shared + Traits::kMergeOOffset);
-  auto* merge_max = reinterpret_cast<float*>(shared + Traits::kMergeMaxOffset);
-  auto* merge_sum = reinterpret_cast<float*>(shared + Traits::kMergeSumOffset);
-#pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    float* destination = merge_o + (slot * kRows + i) * Traits::kHeadDim + lane * Traits::kVec;
-#pragma unroll
-    for (int e = 0; e < Traits::kVec; e += 4) {
-      *reinterpret_cast<float4*>(destination + e) =
-          make_float4(rows.o[i][e], rows.o[i][e + 1], rows.o[i][e + 2], rows.o[i][e + 3]);
-    }
-    if (lane == 0) {
-      merge_max[slot * kRows + i] = rows.max_score[i];
-      merge_sum[slot * kRows + i] = rows.sum_exp[i];
-    }
-  }
-  __syncthreads();
-
-  const int32_t rows_in_pass = min(groups * kRows, item.rows - first_group * kRows);
-  const int32_t quads = args.problem.head_dim / 4;
-  constexpr float kLn2 = std::numbers::ln2_v<float>;
-  for (int32_t task = threadIdx.x; task < rows_in_pass * quads; task += Traits::kNumThreads) {
-    const int32_t local_row = task / quads;
-    const int32_t quad = task - local_row * quads;
-    const int group_index = local_row / kRows, i = local_row % kRows;
-    float best = -INFINITY;
-    for (int p = 0; p < partitions; ++p) {
-      best = fmaxf(best, merge_max[(p * groups + group_index) * kRows + i]);
-    }
-    float4 accumulator = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    float total = 0.0f;
-    if (best != -INFINITY) {
-      for (int p = 0; p < partitions; ++p) {
-        const int state = (p * groups + group_index) * kRows + i;
-        const float weight = ptx::ex2_approx(merge_max[state] - best);
-        total += weight * merge_sum[state];
-        const float4 part =
-            *reinterpret_cast<const float4*>(merge_o + state * Traits::kHeadDim + quad * 4);
-        accumulator.x += weight * part.x;
-        accumulator.y += weight * part.y;
-        accumulator.z += weight * part.z;
-        accumulator.w += weight * part.w;
-      }
-    }
-    const float scale = total > 0.0f ? args.output_scale / total : 0.0f;
-    accumulator.x *= scale;
-    accumulator.y *= scale;
-    accumulator.z *= scale;
-    accumulator.w *= scale;
-    const float lse = total > 0.0f ? (best + __log2f(total)) * kLn2 : -INFINITY;
-    store_output_quad<kQDType>(args, item, first_group * kRows + local_row, quad, accumulator, lse);
-  }
-  __syncthreads();  // shared memory is reused by the next pass / item
-}
-
 // ---------------------------------------------------------------------------- the kernel
 
-template <class Traits, DType kQDType, DType kKVDType>
-__device__ __forceinline__ void decode_work_item(const DecodeArgs& args, const WorkItem& work,
-                                                 uint8_t* shared) {
-  constexpr int kRows = Traits::kRowsPerThread;
-  const DecodeItem item = make_decode_item(args, work);
-  const int slot = threadIdx.x / Traits::kLanesPerRow;
-  const int lane = threadIdx.x % Traits::kLanesPerRow;
-  const int32_t row_groups = (item.rows + kRows - 1) / kRows;
-  for (int32_t first_group = 0; first_group < row_groups; first_group += Traits::kSlots) {
-    // Row groups of this pass take the first slots; when there are fewer groups than slots the
-    // slots left over become extra key partitions of the groups (partition p of group g is slot
-    // p * groups + g); slots past partitions * groups idle with empty rows.
-    const int groups = min(Traits::kSlots, row_groups - first_group);
-    const int partitions = Traits::kSlots / groups;
-    const int slot_group = slot % groups, partition = slot / groups;
-    const bool active = partition < partitions;
-    SlotRows<Traits> rows;
-    load_slot_rows<Traits, kQDType>(args, item, (first_group + slot_group) * kRows, active, lane,
-                                    rows);
-    run_key_loop<Traits, kKVDType>(args, item, shared, partitions, partition, lane, rows);
-    merge_and_store<Traits, kQDType>(args, item, shared, first_group, groups, partitions, slot,
-                                     lane, rows);
-  }
-}
-
-template <class Traits, DType kQDType, DType kKVDType>
-__global__ void __launch_bounds__(Traits::kNumThreads)
+// Policy: Traits (kNumThreads, the shared-memory map), kQDType / kKVDType, Cta (state a CTA keeps
+// across its items), run_item(args, index, end, shared, cta) and name().
+template <class Policy>
+__global__ void __launch_bounds__(Policy::Traits::kNumThreads)
     decode_kernel(const __grid_constant__ DecodeArgs args) {
   extern __shared__ __align__(16) uint8_t shared[];
   const int32_t begin = args.worker_indptr[blockIdx.x];
   const int32_t end = args.worker_indptr[blockIdx.x + 1];
+  typename Policy::Cta cta;
   for (int32_t index = begin; index < end; ++index) {
-    decode_work_item<Traits, kQDType, kKVDType>(args, args.work[index], shared);
+    Policy::run_item(args, index, end, shared, cta);
   }
 }
 
@@ -525,62 +300,25 @@ inline const char* decode_dtype_name(DType dtype) {
   }
 }
 
-template <class Traits, DType kQDType, DType kKVDType>
+template <class Policy>
 const char* decode_kernel_name() {
   static const auto name = [] {
     struct Text {
-      char text[96];
+      char text[112];
     } result{};
-    std::snprintf(result.text, sizeof(result.text),
-                  "sm80::decode_kernel<d%d, q %s, kv %s, rows %d>", Traits::kHeadDim,
-                  decode_dtype_name(kQDType), decode_dtype_name(kKVDType), Traits::kRowsPerThread);
+    Policy::describe(result.text, sizeof(result.text));
     return result;
   }();
   return name.text;
 }
 
-template <class Traits, DType kQDType, DType kKVDType>
-using DecodeEntry = KernelEntry<DecodeArgs, decode_kernel<Traits, kQDType, kKVDType>, Traits,
-                                decode_kernel_name<Traits, kQDType, kKVDType>>;
-
-template <int kHeadDim, DType kQDType, DType kKVDType, int kRowsPerThread>
+template <class Policy>
 KernelInstance decode_instance() {
-  using Traits = DecodeTraits<kHeadDim, KVElement<kKVDType>::kBytes, kRowsPerThread>;
-  using Entry = DecodeEntry<Traits, kQDType, kKVDType>;
-  KernelInstance instance = Entry::instance(kQDType, kKVDType);
+  using Entry = KernelEntry<DecodeArgs, decode_kernel<Policy>, typename Policy::Traits,
+                            decode_kernel_name<Policy>>;
+  KernelInstance instance = Entry::instance(Policy::kQDType, Policy::kKVDType);
   instance.decode = &Entry::launch_workers;
   return instance;
-}
-
-// One row per row-slot height: q fp16/bf16 x K/V (q's dtype, e4m3, e5m2). The fp8 instances
-// have other traits (1-byte elements) but the same rows and threads; the row shows the 2-byte
-// one.
-template <int kHeadDim, int kRowsPerThread>
-KernelRow decode_row() {
-  using Traits = DecodeTraits<kHeadDim, 2, kRowsPerThread>;
-  KernelRow row;
-  row.family = KernelFamily::kSm80Decode;
-  row.shape.head_dim = Traits::kHeadDim;
-  row.shape.num_threads = Traits::kNumThreads;
-  row.shape.smem_bytes = Traits::kSmemBytes;
-  row.shape.rows = Traits::kRowsPerThread;
-  constexpr DType kF16 = DType::kFloat16, kB16 = DType::kBFloat16;
-  constexpr DType kE4M3 = DType::kFloat8E4M3, kE5M2 = DType::kFloat8E5M2;
-  row.instances = {decode_instance<kHeadDim, kF16, kF16, kRowsPerThread>(),
-                   decode_instance<kHeadDim, kF16, kE4M3, kRowsPerThread>(),
-                   decode_instance<kHeadDim, kF16, kE5M2, kRowsPerThread>(),
-                   decode_instance<kHeadDim, kB16, kB16, kRowsPerThread>(),
-                   decode_instance<kHeadDim, kB16, kE4M3, kRowsPerThread>(),
-                   decode_instance<kHeadDim, kB16, kE5M2, kRowsPerThread>()};
-  return row;
-}
-
-// The three row-slot heights (1, 2, 4) of one head_dim bucket: 18 kernels.
-template <int kHeadDim>
-void add_decode_rows(KernelRows& rows) {
-  rows.push_back(decode_row<kHeadDim, 1>());
-  rows.push_back(decode_row<kHeadDim, 2>());
-  rows.push_back(decode_row<kHeadDim, 4>());
 }
 
 }  // namespace tessera::detail::sm80

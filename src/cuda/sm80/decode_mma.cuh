@@ -1,10 +1,11 @@
-// Tensor-core variant of the sm80 batch decode (TESSERA_DECODE_VARIANT >= 1, see decode.cu).
+// The tensor-core (mma.sync) compute policy of the sm80 batch decode kernel (decode_kernel.cuh);
+// the planner picks its rows' variant (warps, stages) per shape, TESSERA_DECODE_VARIANT overrides.
 //
-// Same work items, loader ring, page prefetch and output conventions as decode_kernel.cuh; what
-// changes is the compute, which there costs ~3000 instructions per 16 KiB tile (shuffle
-// reductions per key and row, 8-wide FMA per K/V element and row) and made the kernel
-// issue-bound. Here the packed query rows of an item (<= 8, or <= 16 with kFullRows) are the M
-// dimension of mma.sync m16n8k16 (rows padded with zeros):
+// Same work items, loader ring, page prefetch and output conventions as the CUDA-core policy
+// (decode_cuda_core.cuh); what changes is the compute, which there costs ~3000 instructions per
+// 16 KiB tile (shuffle reductions per key and row, 8-wide FMA per K/V element and row) and made
+// the kernel issue-bound. Here the packed query rows of an item (<= 8, or <= 16 with kFullRows)
+// are the M dimension of mma.sync m16n8k16 (rows padded with zeros):
 //   * each warp owns 16 keys of every tile (tile = 16 x kWarps keys): S = Q K^T is 2 n-tiles x
 //     head_dim/16 k-steps, K fragments by ldmatrix straight from the ring; O += P V is one k-step
 //     x head_dim/8 n-tiles, V fragments by ldmatrix.trans. ~8x fewer instructions per byte.
@@ -62,7 +63,7 @@ struct DecodeMmaTraits {
   static constexpr size_t kMergeMaxOffset = kMergeOBytes;
   static constexpr size_t kMergeSumOffset = kMergeOBytes + kMergeStatBytes;
   // Two key-offset buffers: the current item's, and the next item's first kStages tiles, filled
-  // during the current item (cross-item prefetch, mma_key_loop).
+  // during the current item (cross-item prefetch, MmaDecode::run_item).
   static constexpr size_t kKeyOffsetsOffset = (kWorkBytes + 15) / 16 * 16;
   static constexpr size_t kKeyOffsetsBytes = size_t{kStages} * kTileKeys * 2 * sizeof(int64_t);
   // Then the next work item's DecodeItem, written by thread 0 during the current item.
@@ -306,85 +307,6 @@ struct NextDecodeItem {
   bool offsets_ready = false;  // its first kStages tiles' key offsets are in the other buffer
 };
 
-template <class Traits>
-__device__ __forceinline__ void fill_first_key_offsets(const DecodeArgs& args,
-                                                       const DecodeItem& item,
-                                                       longlong2* key_offsets) {
-#pragma unroll 1
-  for (int index = threadIdx.x; index < Traits::kStages * Traits::kTileKeys;
-       index += Traits::kNumThreads) {
-    const PrefetchedKey key = prefetch_key(args, item, int64_t{item.key_begin} + index);
-    key_offsets[index] = key_row_offsets(args, item, key);
-  }
-}
-
-template <class Traits, DType kDType>
-__device__ __forceinline__ void mma_key_loop(const DecodeArgs& args, const DecodeItem& item,
-                                             uint8_t* shared, int warp, int lane,
-                                             MmaWarpState<Traits>& state, int parity,
-                                             bool offsets_ready, int32_t next_index,
-                                             NextDecodeItem& next) {
-  constexpr int kStages = Traits::kStages;
-  constexpr int kTileKeys = Traits::kTileKeys;
-  constexpr int kOffsetsPerBuffer = kStages * kTileKeys;
-  auto* offsets_base = reinterpret_cast<longlong2*>(shared + Traits::kKeyOffsetsOffset);
-  longlong2* key_offsets = offsets_base + parity * kOffsetsPerBuffer;
-  longlong2* next_offsets = offsets_base + (parity ^ 1) * kOffsetsPerBuffer;
-  const int32_t num_tiles = (item.key_end - item.key_begin + kTileKeys - 1) / kTileKeys;
-
-  if (!offsets_ready) fill_first_key_offsets<Traits>(args, item, key_offsets);
-  __syncthreads();
-#pragma unroll
-  for (int stage = 0; stage < kStages - 1; ++stage) {
-    if (stage < num_tiles) issue_tile_copies_swizzled<Traits>(args, shared, key_offsets, stage);
-    ptx::cp_async_commit_group();
-  }
-
-  const uint32_t k_ring = ptx::shared_address(shared + Traits::kKRingOffset);
-  const uint32_t v_ring = ptx::shared_address(shared + Traits::kVRingOffset);
-#pragma unroll 1
-  for (int32_t tile = 0; tile < num_tiles; ++tile) {
-    // Page lookup of tile + kStages first, so its latency overlaps the wait below as well as
-    // this tile's compute; its offsets are stored at the end of the iteration.
-    PrefetchedKey next_key{-1, 0};
-    if (threadIdx.x < kTileKeys) {
-      next_key = prefetch_key(
-          args, item, int64_t{item.key_begin} + int64_t{tile + kStages} * kTileKeys + threadIdx.x);
-    }
-    ptx::cp_async_wait_group<kStages - 2>();
-    __syncthreads();
-    const int stage = tile % kStages;
-    const int32_t refill = tile + kStages - 1;
-    if (refill < num_tiles) {
-      issue_tile_copies_swizzled<Traits>(args, shared, key_offsets, refill % kStages);
-    }
-    ptx::cp_async_commit_group();
-
-    mma_consume_tile<Traits, kDType>(args, k_ring + stage * Traits::kTileBytes,
-                                     v_ring + stage * Traits::kTileBytes,
-                                     item.key_begin + tile * kTileKeys, warp, lane, state);
-
-    if (threadIdx.x < kTileKeys) {
-      key_offsets[stage * kTileKeys + threadIdx.x] = key_row_offsets(args, item, next_key);
-    }
-    // Cross-item prefetch (uniform across the CTA: next_index and tile are).
-    if (next_index >= 0) {
-      auto* next_item = reinterpret_cast<DecodeItem*>(shared + Traits::kNextItemOffset);
-      if (tile == 0) {
-        // Read by every thread after the next iteration's barrier (or the end-of-item ones).
-        if (threadIdx.x == 0) *next_item = make_decode_item(args, args.work[next_index]);
-        next.item_ready = true;
-      } else if (tile == 1) {
-        // Each thread writes its own indices; read after the next item's first barrier.
-        fill_first_key_offsets<Traits>(args, *next_item, next_offsets);
-        next.offsets_ready = true;
-      }
-    }
-  }
-  ptx::cp_async_wait_group<0>();
-  __syncthreads();  // the ring is free: the merge reuses it
-}
-
 template <class Traits, DType kDType>
 __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, const DecodeItem& item,
                                                     uint8_t* shared, int warp, int lane,
@@ -455,7 +377,7 @@ __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, cons
 // merges every piece of the tile into o / lse and sets the counter back to 0, so the next run
 // (or graph replay) of the same upload starts from zero. No CTA ever waits for another. This
 // replaces the separate merge launch (and its launch gap) of the unfused path. Only this
-// tensor-core kernel uses it; the CUDA-core kernel (decode_kernel.cuh: fp8 K/V, head_dim 256,
+// tensor-core kernel uses it; the CUDA-core kernel (decode_cuda_core.cuh: fp8 K/V, head_dim 256,
 // wide items) keeps the separate merge: with the merge's code inlined or called, ptxas spills 24-76
 // bytes in several of its sm_80 instantiations.
 // Ordering (the threadFenceReduction pattern of the CUDA samples): every writer fences its
@@ -478,16 +400,23 @@ __device__ __forceinline__ void finish_split_piece(const DecodeArgs& args, const
   if (threadIdx.x == 0) args.merge_counters[work.merge_index] = 0;
 }
 
-template <class Traits, DType kDType>
-__global__ void __launch_bounds__(Traits::kNumThreads)
-    decode_mma_kernel(const __grid_constant__ DecodeArgs args) {
-  extern __shared__ __align__(16) uint8_t shared[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int32_t begin = args.worker_indptr[blockIdx.x];
-  const int32_t end = args.worker_indptr[blockIdx.x + 1];
-  NextDecodeItem next;
-  int parity = 0;
-  for (int32_t index = begin; index < end; ++index) {
+// ---------------------------------------------------------------------------- the policy
+
+template <class Traits_, DType kDType>
+struct MmaDecode {
+  using Traits = Traits_;
+  static constexpr DType kQDType = kDType;
+  static constexpr DType kKVDType = kDType;
+  struct Cta {
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    NextDecodeItem next;
+    int parity = 0;  // which key-offset buffer holds the current item's offsets
+  };
+
+  __device__ static void run_item(const DecodeArgs& args, int32_t index, int32_t end,
+                                  uint8_t* shared, Cta& cta) {
+    const int warp = cta.warp, lane = cta.lane;
+    NextDecodeItem& next = cta.next;
     // The shared slot was written before the barriers that ended the previous item, and is
     // written again only after the key loop's first barrier.
     const DecodeItem item =
@@ -498,41 +427,50 @@ __global__ void __launch_bounds__(Traits::kNumThreads)
     const int32_t next_index = index + 1 < end ? index + 1 : -1;
     MmaWarpState<Traits> state;
     mma_load_rows<Traits, kDType>(args, item, lane, state);
-    mma_key_loop<Traits, kDType>(args, item, shared, warp, lane, state, parity, offsets_ready,
-                                 next_index, next);
+
+    constexpr int kOffsetsPerBuffer = Traits::kStages * Traits::kTileKeys;
+    auto* offsets_base = reinterpret_cast<longlong2*>(shared + Traits::kKeyOffsetsOffset);
+    longlong2* key_offsets = offsets_base + cta.parity * kOffsetsPerBuffer;
+    longlong2* next_offsets = offsets_base + (cta.parity ^ 1) * kOffsetsPerBuffer;
+    const uint32_t k_ring = ptx::shared_address(shared + Traits::kKRingOffset);
+    const uint32_t v_ring = ptx::shared_address(shared + Traits::kVRingOffset);
+    stream_key_tiles<Traits>(
+        args, item, key_offsets, offsets_ready,
+        [&](const longlong2* offsets, int stage) {
+          issue_tile_copies_swizzled<Traits>(args, shared, offsets, stage);
+        },
+        [&](int stage, int32_t first_key) {
+          mma_consume_tile<Traits, kDType>(args, k_ring + stage * Traits::kTileBytes,
+                                           v_ring + stage * Traits::kTileBytes, first_key, warp,
+                                           lane, state);
+        },
+        [&](int32_t tile) {
+          // Cross-item prefetch (uniform across the CTA: next_index and tile are).
+          if (next_index < 0) return;
+          auto* next_item = reinterpret_cast<DecodeItem*>(shared + Traits::kNextItemOffset);
+          if (tile == 0) {
+            // Read by every thread after the next iteration's barrier (or the end-of-item ones).
+            if (threadIdx.x == 0) *next_item = make_decode_item(args, args.work[next_index]);
+            next.item_ready = true;
+          } else if (tile == 1) {
+            // Each thread writes its own indices; read after the next item's first barrier.
+            fill_first_key_offsets<Traits>(args, *next_item, next_offsets);
+            next.offsets_ready = true;
+          }
+        });
     mma_merge_and_store<Traits, kDType>(args, item, shared, warp, lane, state);
     finish_split_piece<kDType>(args, item.work);
-    if (next.offsets_ready) parity ^= 1;  // the next item's offsets are in the other buffer
+    if (next.offsets_ready) cta.parity ^= 1;  // the next item's offsets are in the other buffer
   }
-}
 
-// ---------------------------------------------------------------------------- host side
-
-template <class Traits, DType kDType>
-const char* decode_mma_kernel_name() {
-  static const auto name = [] {
-    struct Text {
-      char text[112];
-    } result{};
-    std::snprintf(result.text, sizeof(result.text),
-                  "sm80::decode_mma_kernel<d%d, %s, rows %d, warps %d, stages %d>",
+  static void describe(char* text, size_t size) {
+    std::snprintf(text, size, "sm80::decode_mma_kernel<d%d, %s, rows %d, warps %d, stages %d>",
                   Traits::kHeadDim, decode_dtype_name(kDType), Traits::kMaxRows, Traits::kWarps,
                   Traits::kStages);
-    return result;
-  }();
-  return name.text;
-}
+  }
+};
 
-template <class Traits, DType kDType>
-using DecodeMmaEntry = KernelEntry<DecodeArgs, decode_mma_kernel<Traits, kDType>, Traits,
-                                   decode_mma_kernel_name<Traits, kDType>>;
-
-template <class Traits, DType kDType>
-KernelInstance decode_mma_instance() {
-  KernelInstance instance = DecodeMmaEntry<Traits, kDType>::instance(kDType, kDType);
-  instance.decode = &DecodeMmaEntry<Traits, kDType>::launch_workers;
-  return instance;
-}
+// ---------------------------------------------------------------------------- host side
 
 // Variant (core/tuning.hpp) = (warps, stages): 1 = (4, 3), 2 = (4, 4), 3 = (2, 6), 4 = (2, 3),
 // 5 = (2, 4); items of <= 8 (kFullRows false) or <= 16 packed rows; fp16 and bf16.
@@ -548,8 +486,8 @@ KernelRow decode_mma_row() {
   row.shape.smem_bytes = Traits::kSmemBytes;
   row.shape.rows = Traits::kMaxRows;
   row.shape.variant = kVariant;
-  row.instances = {decode_mma_instance<Traits, DType::kFloat16>(),
-                   decode_mma_instance<Traits, DType::kBFloat16>()};
+  row.instances = {decode_instance<MmaDecode<Traits, DType::kFloat16>>(),
+                   decode_instance<MmaDecode<Traits, DType::kBFloat16>>()};
   return row;
 }
 

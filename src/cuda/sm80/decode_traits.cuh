@@ -1,5 +1,6 @@
-// Shapes of the sm80 batch decode kernels (decode_kernel.cuh), one traits struct per
-// (instantiated head_dim, K/V element size, query rows per thread), and the kernel arguments.
+// Shapes of the CUDA-core policy of the sm80 batch decode (decode_cuda_core.cuh), one traits
+// struct per (instantiated head_dim, K/V element size, query rows per thread), and the kernel
+// arguments.
 //
 // Decode is memory-bound: every K/V byte is read once and used by only q_per_request x group
 // query rows, so the design goal is bytes in flight, not flops.

@@ -1,6 +1,6 @@
 // Merge of the split-KV partial states of one split tile, one warp per output row. Used by the
 // standalone merge kernel (merge_partials.cu, after prefill) and fused into the decode kernels
-// (the CTA that finishes a tile's last piece merges it, decode_kernel.cuh).
+// (the CTA that finishes a tile's last piece merges it, decode_mma.cuh).
 //
 // A MergeItem with S splits: packed row r (token r / group, head r % group) of split s sits at
 // partial row first_partial_row + s * q_len * group + r. Exact combination over disjoint keys:
