@@ -22,6 +22,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_utils.hpp"
 #include "cuda/dtype_convert.cuh"
+#include "cuda/ptx/math.cuh"
 
 namespace tessera::detail {
 namespace {
@@ -129,7 +130,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   float max_lse = -INFINITY;
   for (int32_t state = first_state; state < end_state; ++state) {
     const float value = lse[static_cast<int64_t>(state) * params.heads];
-    if (!is_empty_state(value)) max_lse = fmaxf(max_lse, value);
+    // max_nan: a NaN state (a row with a NaN score) makes the merged row NaN, even alone.
+    if (!is_empty_state(value)) max_lse = ptx::max_nan(max_lse, value);
   }
   if (is_empty_state(max_lse)) {
     write_empty_row(params.o_out, row, head, params.head_dim, params.lse_out, task);
@@ -140,7 +142,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     const float value = lse[static_cast<int64_t>(state) * params.heads];
     if (!is_empty_state(value)) total += expf(value - max_lse);
   }
-  const float inverse_total = 1.0f / total;  // total >= 1
+  const float inverse_total = 1.0f / total;  // total >= 1, or NaN
 
   const int64_t base_out = params.o_out.offset(row, head);
   for (int32_t d = lane; d < params.head_dim; d += 32) {

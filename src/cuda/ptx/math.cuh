@@ -31,4 +31,21 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return y;
 }
 
+// Emits max.NaN.f32 (PTX ISA, "Floating Point Instructions: max", sm_80+): the larger of a and b,
+// NaN when either is NaN (fmaxf returns the other operand). Row maxima of scores use it, so a NaN
+// score poisons its row (o = NaN, lse = NaN, as torch SDPA) instead of being skipped; one FMNMX
+// like fmaxf.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+// min.NaN.f32, the same for the smaller value.
+__device__ __forceinline__ float min_nan(float a, float b) {
+  float y;
+  asm("min.NaN.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 }  // namespace tessera::detail::ptx

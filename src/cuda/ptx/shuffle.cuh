@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "cuda/ptx/math.cuh"
+
 namespace tessera::detail::ptx {
 
 // Emits shfl.sync.bfly.b32 d, a, lane_mask, 0x1f, 0xffffffff
@@ -19,9 +21,10 @@ __device__ __forceinline__ float shfl_xor(float value) {
   return __uint_as_float(out);
 }
 
+// Max over the 4 lanes of a quad, NaN if any lane's value is NaN (row maxima: ptx::max_nan).
 __device__ __forceinline__ float quad_max(float value) {
-  value = fmaxf(value, shfl_xor<1>(value));
-  return fmaxf(value, shfl_xor<2>(value));
+  value = max_nan(value, shfl_xor<1>(value));
+  return max_nan(value, shfl_xor<2>(value));
 }
 
 __device__ __forceinline__ float quad_sum(float value) {

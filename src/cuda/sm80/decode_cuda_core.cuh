@@ -138,9 +138,9 @@ __device__ __forceinline__ void consume_tile(const DecodeArgs& args, const uint8
             chunk_valid && key_index >= rows.first_key[i] && key_index < rows.last_key[i];
         s = visible ? s : -INFINITY;
         score[k][i] = s;
-        chunk_max = fmaxf(chunk_max, s);
+        chunk_max = ptx::max_nan(chunk_max, s);
       }
-      const float new_max = fmaxf(rows.max_score[i], chunk_max);
+      const float new_max = ptx::max_nan(rows.max_score[i], chunk_max);
       const float base = new_max == -INFINITY ? 0.0f : new_max;  // no -inf - -inf
       const float rescale = ptx::ex2_approx(rows.max_score[i] - base);
       rows.max_score[i] = new_max;
@@ -206,7 +206,7 @@ __device__ __forceinline__ void merge_and_store(const DecodeArgs& args, const De
     const int group_index = local_row / kRows, i = local_row % kRows;
     float best = -INFINITY;
     for (int p = 0; p < partitions; ++p) {
-      best = fmaxf(best, merge_max[(p * groups + group_index) * kRows + i]);
+      best = ptx::max_nan(best, merge_max[(p * groups + group_index) * kRows + i]);
     }
     float4 accumulator = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float total = 0.0f;
@@ -223,12 +223,12 @@ __device__ __forceinline__ void merge_and_store(const DecodeArgs& args, const De
         accumulator.w += weight * part.w;
       }
     }
-    const float scale = total > 0.0f ? args.output_scale / total : 0.0f;
+    const float scale = total != 0.0f ? args.output_scale / total : 0.0f;  // NaN: NaN
     accumulator.x *= scale;
     accumulator.y *= scale;
     accumulator.z *= scale;
     accumulator.w *= scale;
-    const float lse = total > 0.0f ? (best + __log2f(total)) * kLn2 : -INFINITY;
+    const float lse = total != 0.0f ? (best + __log2f(total)) * kLn2 : -INFINITY;
     store_output_quad<kQDType>(args, item, first_group * kRows + local_row, quad, accumulator, lse);
   }
   __syncthreads();  // shared memory is reused by the next pass / item

@@ -55,11 +55,12 @@ __device__ __forceinline__ float row_slot_sum(float value) {
 
 // tanh(x) = 1 - 2 / (1 + 2^(2 x log2 e)) with the SFU's ex2: absolute error ~1e-7, where
 // tanh.approx has 2^-11 relative error (~0.02 in a logit capped at 50). |x| is clamped at 15,
-// where tanh rounds to +-1 in float, so the division never sees an infinite denominator.
+// where tanh rounds to +-1 in float, so the division never sees an infinite denominator; the
+// clamp keeps NaN (max_nan / min_nan), which fmaxf / fminf would turn into -+15.
 __device__ __forceinline__ float soft_cap_tanh(float x) {
   constexpr float kTwoLog2e = 2.0f * std::numbers::log2e_v<float>;
   constexpr float kSaturation = 15.0f;
-  const float clamped = fminf(fmaxf(x, -kSaturation), kSaturation);
+  const float clamped = ptx::min_nan(ptx::max_nan(x, -kSaturation), kSaturation);
   return 1.0f - __fdividef(2.0f, 1.0f + ptx::ex2_approx(clamped * kTwoLog2e));
 }
 

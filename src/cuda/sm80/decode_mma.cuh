@@ -237,11 +237,11 @@ __device__ __forceinline__ void mma_consume_tile(const DecodeArgs& args, uint32_
         const bool visible = key >= state.first_key[set] && key < state.last_key[set];
         v = visible ? v : -INFINITY;
         s[j][e] = v;
-        chunk_max = fmaxf(chunk_max, v);
+        chunk_max = ptx::max_nan(chunk_max, v);
       }
     }
     chunk_max = ptx::quad_max(chunk_max);
-    const float new_max = fmaxf(state.max_score[set], chunk_max);
+    const float new_max = ptx::max_nan(state.max_score[set], chunk_max);
     const float base = new_max == -INFINITY ? 0.0f : new_max;
     rescale[set] = ptx::ex2_approx(state.max_score[set] - base);
     state.max_score[set] = new_max;
@@ -343,7 +343,7 @@ __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, cons
     float best = -INFINITY;
 #pragma unroll
     for (int w = 0; w < Traits::kWarps; ++w) {
-      best = fmaxf(best, merge_max[w * Traits::kMaxRows + row]);
+      best = ptx::max_nan(best, merge_max[w * Traits::kMaxRows + row]);
     }
     float4 accumulator = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float total = 0.0f;
@@ -361,12 +361,12 @@ __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, cons
         accumulator.w += weight * part.w;
       }
     }
-    const float scale = total > 0.0f ? args.output_scale / total : 0.0f;
+    const float scale = total != 0.0f ? args.output_scale / total : 0.0f;  // NaN: NaN
     accumulator.x *= scale;
     accumulator.y *= scale;
     accumulator.z *= scale;
     accumulator.w *= scale;
-    const float lse = total > 0.0f ? (best + __log2f(total)) * kLn2 : -INFINITY;
+    const float lse = total != 0.0f ? (best + __log2f(total)) * kLn2 : -INFINITY;
     store_output_quad<kDType>(args, item, row, quad, accumulator, lse);
   }
   __syncthreads();  // shared memory is reused by the next item

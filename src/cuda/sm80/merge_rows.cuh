@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "core/problem.hpp"
+#include "cuda/ptx/math.cuh"
 #include "cuda/sm80/element_ops.cuh"
 #include "tessera/attention.hpp"
 
@@ -29,7 +30,7 @@ inline constexpr int kMergeBatch = 8;
 __device__ __forceinline__ float merge_warp_max(float value) {
 #pragma unroll
   for (int mask = 16; mask > 0; mask /= 2) {
-    value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, mask));
+    value = ptx::max_nan(value, __shfl_xor_sync(0xffffffffu, value, mask));
   }
   return value;
 }
@@ -53,7 +54,7 @@ __device__ __forceinline__ void merge_partial_row(const AttentionProblem& proble
 
   float max_lse = -INFINITY;
   for (int32_t split = lane; split < item.num_splits; split += 32) {
-    max_lse = fmaxf(max_lse, __ldcg(split_lse + split * split_stride));
+    max_lse = ptx::max_nan(max_lse, __ldcg(split_lse + split * split_stride));
   }
   max_lse = merge_warp_max(max_lse);
 
@@ -101,8 +102,9 @@ __device__ __forceinline__ void merge_partial_row(const AttentionProblem& proble
       }
     }
   }
-  // weight_sum >= 1 whenever max_lse is finite (the max split has weight 1).
-  const float inverse = weight_sum > 0.0f ? 1.0f / weight_sum : 0.0f;
+  // weight_sum >= 1 whenever max_lse is finite (the max split has weight 1); a NaN split lse
+  // makes max_lse (max_nan), every weight and the row NaN.
+  const float inverse = weight_sum != 0.0f ? 1.0f / weight_sum : 0.0f;
   uint16_t* o_row = static_cast<uint16_t*>(problem.o) + token * problem.o_stride_token +
                     head * problem.o_stride_head;
   // Decode accepts o views of any element alignment (prefill requires 16-byte rows), so the
@@ -126,7 +128,7 @@ __device__ __forceinline__ void merge_partial_row(const AttentionProblem& proble
   }
   if (problem.lse != nullptr && lane == 0) {
     problem.lse[token * problem.lse_stride_token + head] =
-        weight_sum > 0.0f ? max_lse + logf(weight_sum) : -INFINITY;
+        weight_sum != 0.0f ? max_lse + logf(weight_sum) : -INFINITY;
   }
 }
 

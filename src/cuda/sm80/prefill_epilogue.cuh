@@ -31,7 +31,8 @@ struct PrefillWarpState {
 };
 
 // Divides O by the row sum and returns each row's natural-log lse. A row that saw no key
-// (sum 0, max -inf) gets O = 0 and lse = -inf.
+// (sum 0, max -inf) gets O = 0 and lse = -inf; a row with a NaN or +inf score (its max went NaN
+// through max_nan, so its sum is NaN) gets NaN in both.
 template <class Traits>
 __device__ __forceinline__ void normalise_rows(PrefillWarpState<Traits>& state, float scale,
                                                float (&lse)[Traits::kMmaRowBlocks][2]) {
@@ -41,7 +42,7 @@ __device__ __forceinline__ void normalise_rows(PrefillWarpState<Traits>& state, 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = ptx::quad_sum(state.row_sum[m][h]);
-      const bool any_key = sum > 0.0f;
+      const bool any_key = sum != 0.0f;  // true for NaN
       const float inverse = any_key ? 1.0f / sum : 0.0f;
       // sum = sum_j 2^(s_j * scale - max * scale): log2(sum_j 2^(s_j * scale)) is
       // max * scale + log2(sum); scale already contains log2(e), so times ln 2 is the lse.

@@ -158,20 +158,20 @@ __device__ __forceinline__ void online_softmax(
         float partial[Traits::kScoreCols];
 #pragma unroll
         for (int n = 0; n < Traits::kScoreCols; ++n) {
-          partial[n] = fmaxf(acc_s[m][n][2 * h], acc_s[m][n][2 * h + 1]);
+          partial[n] = ptx::max_nan(acc_s[m][n][2 * h], acc_s[m][n][2 * h + 1]);
         }
 #pragma unroll
         for (int stride = 1; stride < Traits::kScoreCols; stride *= 2) {
 #pragma unroll
           for (int n = 0; n + stride < Traits::kScoreCols; n += 2 * stride) {
-            partial[n] = fmaxf(partial[n], partial[n + stride]);
+            partial[n] = ptx::max_nan(partial[n], partial[n + stride]);
           }
         }
-        new_max = fmaxf(new_max, partial[0]);
+        new_max = ptx::max_nan(new_max, partial[0]);
       } else {
 #pragma unroll
         for (int n = 0; n < Traits::kScoreCols; ++n) {
-          new_max = fmaxf(new_max, fmaxf(acc_s[m][n][2 * h], acc_s[m][n][2 * h + 1]));
+          new_max = ptx::max_nan(new_max, ptx::max_nan(acc_s[m][n][2 * h], acc_s[m][n][2 * h + 1]));
         }
       }
       new_max = ptx::quad_max(new_max);

@@ -65,7 +65,7 @@ __device__ __forceinline__ float tree_reduce(float (&values)[kCount], Op op) {
 }
 template <int kCount>
 __device__ __forceinline__ float tree_reduce_max(float (&values)[kCount]) {
-  return tree_reduce(values, [](float a, float b) { return fmaxf(a, b); });
+  return tree_reduce(values, [](float a, float b) { return ptx::max_nan(a, b); });
 }
 template <int kCount>
 __device__ __forceinline__ float tree_reduce_sum(float (&values)[kCount]) {
@@ -301,9 +301,10 @@ class PrefillConsumer {
       float partial[kScoreRegs / 4];
 #pragma unroll
       for (int j = 0; j < kScoreRegs / 4; ++j) {
-        partial[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+        partial[j] = ptx::max_nan(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
       }
-      const float new_max = ptx::quad_max(fmaxf(softmax.row_max[h], tree_reduce_max(partial)));
+      const float new_max =
+          ptx::quad_max(ptx::max_nan(softmax.row_max[h], tree_reduce_max(partial)));
       // A row with only masked keys so far keeps max = -inf and uses 0 as the exponent base
       // (exact zeros, no -inf - -inf). base = max * scale rounded; every probability of the row,
       // the correction of its running sum and its lse use that same rounded base, so its
@@ -473,7 +474,8 @@ class PrefillConsumer {
     release(smem_.v_empty(previous.stage<Traits::kStages>()));
   }
 
-  // Divides O by the row sums; lse (natural log) of each row, -inf for a row that saw no key.
+  // Divides O by the row sums; lse (natural log) of each row, -inf for a row that saw no key
+  // (sum 0), NaN for a row with a NaN or +inf score (sum NaN: its max went NaN, max_nan).
   __device__ __forceinline__ void normalise(float (&o)[kOutputRegs], const Softmax& softmax,
                                             float (&lse)[2]) const {
     constexpr float kLn2 = std::numbers::ln2_v<float>;
@@ -481,7 +483,7 @@ class PrefillConsumer {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = ptx::quad_sum(softmax.row_sum[h]);
-      const bool any_key = sum > 0.0f;
+      const bool any_key = sum != 0.0f;  // true for NaN
       const float inverse = any_key ? 1.0f / sum : 0.0f;
       lse[h] = any_key ? (softmax.row_max[h] * scale + log2f(sum)) * kLn2 : -INFINITY;
 #pragma unroll
