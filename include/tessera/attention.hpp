@@ -14,6 +14,28 @@
 //  * Soft-cap: s = cap * tanh(s / cap) applied to the scaled logits (cap = 0: off).
 //  * o has q's dtype; lse (optional) is float32 [total_q, num_qo_heads], natural log.
 //  * A query row that sees no key gives o = 0 and lse = -inf, never NaN.
+//
+// Non-finite inputs (NaN, +-inf): one definition for every backend (CPU reference, CPU fast
+// path, CUDA sm80 and sm90, and their split-KV merges). Per output row (query token, query head)
+// with visible key set V (causal / window / request bounds):
+//  * V empty: o = 0, lse = -inf, whatever q holds.
+//  * Otherwise the scores s_j = sm_scale * k_scale * (q . k_j) for j in V (soft-capped when the
+//    cap is set: cap * tanh(+-inf / cap) = +-cap is finite) are taken per IEEE. If any s_j is NaN
+//    or +inf (NaN or inf in q, NaN in k_j, inf * 0, inf - inf, ...), the whole row is NaN:
+//    o = NaN in every feature, lse = NaN. This is what torch SDPA returns.
+//  * A score of -inf (finite q against an infinite k_j) is weight 0, like a masked key. A row
+//    whose visible scores are all -inf gives o = 0, lse = -inf, whatever v holds (a documented
+//    deviation from torch, which returns NaN there).
+//  * NaN / inf in v_j reaches o through p_j * v_j per IEEE, in the features that hold it: inf
+//    with p_j > 0 gives inf (NaN once inf - inf meet), NaN gives NaN, and a visible key of weight
+//    exactly 0 (score -inf) with an infinite v gives NaN (0 * inf), as in torch; lse is unchanged.
+//    A key outside V is never read, whatever its k or v holds.
+//  * merge_state / merge_states and split-KV: a NaN partial (lse NaN, or +inf) makes the merged
+//    row NaN; an empty partial (lse = -inf) contributes nothing.
+//  * Rows the non-finite value does not touch (other requests, other kv heads, rows whose mask
+//    excludes the key) are exactly as without it.
+// Checked mode (set_index_checking, TESSERA_CHECK=1; tessera/backend.hpp) rejects a non-finite
+// q, k or v element that the call reads, naming the tensor and its first index, before running.
 #pragma once
 
 #include <cstdint>

@@ -52,13 +52,14 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
 // ---- merging attention states ----
 // Exact combination of two partial attentions over disjoint key sets:
 //  o_a, o_b [N, H, D] (q dtype or float32), lse_a, lse_b [N, H] float32 -> o_out, lse_out
-//  (lse_out optional). A state with lse = -inf is empty.
+//  (lse_out optional). A state with lse = -inf is empty (its o is never read); one with lse NaN
+//  (or +inf) makes the merged row NaN, o and lse (include/tessera/attention.hpp, non-finite inputs).
 void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
                  const TensorView& lse_b, const TensorView& o_out, const TensorView& lse_out,
                  void* stream = nullptr);
 // Variable-length merge: states [S, H, D] and lse [S, H], ragged by indptr [N+1] (row n merges
 // states indptr[n] .. indptr[n+1]-1) -> o_out [N, H, D], lse_out [N, H] (optional).
-// A row with no state gives o = 0, lse = -inf.
+// A row with no state gives o = 0, lse = -inf; empty and NaN states as in merge_state.
 void merge_states(const TensorView& states, const TensorView& lse, const TensorView& indptr,
                   const TensorView& o_out, const TensorView& lse_out, void* stream = nullptr);
 

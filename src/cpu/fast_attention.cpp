@@ -245,7 +245,9 @@ FastKernelEntry kernel_for(CpuIsa isa) {
   return fast_kernel_generic();
 }
 
-// Combines the num_splits float partials of every row of one merge item into the output.
+// Combines the num_splits float partials of every row of one merge item into the output, as
+// one pass over all the keys would have: an empty split (lse = -inf) has weight 0, a NaN split
+// (lse NaN: it met a NaN or +inf score) makes the row NaN (include/tessera/attention.hpp).
 void merge_partials(const AttentionProblem& problem, const MergeItem& merge, const float* partial_o,
                     const float* partial_lse, std::vector<float>* row) {
   const int32_t group_size = problem.group_size();
@@ -254,22 +256,32 @@ void merge_partials(const AttentionProblem& problem, const MergeItem& merge, con
   const int64_t first_token = static_cast<int64_t>(problem.q_begin(merge.request)) + merge.q_start;
   row->resize(head_dim);
   float* acc = row->data();
+  constexpr float kInfinity = std::numeric_limits<float>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
-    float max_lse = -std::numeric_limits<float>::infinity();
+    float max_lse = -kInfinity;
+    bool poisoned = false;  // a split met a NaN / +inf score (lse NaN): the row is NaN
     for (int32_t s = 0; s < merge.num_splits; ++s) {
-      max_lse = std::max(max_lse, partial_lse[merge.first_partial_row + s * rows + r]);
+      const float split_lse = partial_lse[merge.first_partial_row + s * rows + r];
+      poisoned = poisoned || !(split_lse < kInfinity);
+      max_lse = std::max(max_lse, split_lse);
     }
-    std::fill(acc, acc + head_dim, 0.0f);
-    float lse = max_lse;
-    if (max_lse != -std::numeric_limits<float>::infinity()) {
+    std::fill(acc, acc + head_dim, poisoned ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
+    float lse = poisoned ? std::numeric_limits<float>::quiet_NaN() : max_lse;
+    if (!poisoned && max_lse != -kInfinity) {
       float weight_sum = 0.0f;
       for (int32_t s = 0; s < merge.num_splits; ++s) {
         const int64_t partial = merge.first_partial_row + s * rows + r;
-        // An empty split (lse = -inf) has weight 0; skip it rather than multiply its o by 0.
-        if (partial_lse[partial] == -std::numeric_limits<float>::infinity()) continue;
+        const float* o_split = partial_o + partial * head_dim;
+        // An empty split (lse = -inf) has weight 0. It still adds 0 * its o, as one pass over
+        // the keys adds p = 0 times v: its o is 0 unless a key of score -inf met an infinite
+        // v there (0 * inf = NaN), which the split must not lose (write_rows writes every
+        // partial row, empty ones too).
+        if (partial_lse[partial] == -kInfinity) {
+          for (int32_t d = 0; d < head_dim; ++d) acc[d] += 0.0f * o_split[d];
+          continue;
+        }
         const float weight = std::exp(partial_lse[partial] - max_lse);
         weight_sum += weight;
-        const float* o_split = partial_o + partial * head_dim;
         for (int32_t d = 0; d < head_dim; ++d) acc[d] += weight * o_split[d];
       }
       const float inv = 1.0f / weight_sum;

@@ -9,6 +9,9 @@
 //   online softmax       row statistics are vectors over rows, so max / exp2 / sums vectorise;
 //   O = O * alpha + P V  [rows x head_dim]: register-blocked, vectorised over head_dim.
 // Q is pre-scaled by sm_scale * k_scale * log2(e) so the softmax runs on exp2.
+// Non-finite inputs (include/tessera/attention.hpp) cost no per-element test: a NaN or +inf
+// score turns its row's running sum NaN (online_softmax), checked once per row at the end
+// (write_rows); only a partly visible tile scans its V for NaN / inf (accumulate_tile).
 //
 // The kernel is a template over a `Simd` policy (vector type, lane count, register-block shape,
 // fp16/bf16 conversions). Each ISA translation unit defines its policy in an anonymous namespace
@@ -134,10 +137,13 @@ class FlashAttentionKernel {
 
   // 2^x with a degree-6 polynomial on the fractional part (Cephes exp2f, rel. error ~2e-7).
   // Inputs are clamped to [-127, 127]: at -127 the exponent field is 0, so exp2(-inf) and every
-  // masked logit give exactly 0, which is what keeps fully masked rows at o = 0.
+  // masked logit give exactly 0, which is what keeps fully masked rows at o = 0. NaN passes
+  // through: Simd::max / min return their second operand when either is NaN (x86 maxps / minps;
+  // the generic policy's compare-and-select alike), so the bound goes first. exp2(NaN) = NaN is
+  // what carries a NaN / +inf score into the row sum (see online_softmax).
   static Vec exp2(Vec x) {
     constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-    x = Simd::min(Simd::max(x, Simd::set1(-127.0f)), Simd::set1(127.0f));
+    x = Simd::min(Simd::set1(127.0f), Simd::max(Simd::set1(-127.0f), x));
     const Vec shifted = Simd::add(x, Simd::set1(kRoundMagic));
     const Vec whole = Simd::sub(shifted, Simd::set1(kRoundMagic));
     const Vec f = Simd::sub(x, whole);
@@ -384,6 +390,55 @@ class FlashAttentionKernel {
     }
   }
 
+  // True when every element of the first `keys` V rows is finite: 0 * x is 0 for finite x and
+  // NaN for NaN / inf, so one FMA per vector and a single check at the end.
+  static bool values_finite(const float* v_tile, int32_t keys, int32_t dim_padded) {
+    Vec acc = Simd::zero();
+    const Vec zero = Simd::zero();
+    const int32_t count = keys * dim_padded;
+    for (int32_t i = 0; i < count; i += kLanes) acc = Simd::fmadd(Simd::load(v_tile + i), zero, acc);
+    float lanes[kLanes];
+    Simd::store(lanes, acc);
+    bool finite = true;
+    for (int32_t i = 0; i < kLanes; ++i) finite = finite && lanes[i] == 0.0f;
+    return finite;
+  }
+
+  // O = O * alpha + P V for one tile. A tile that some row sees only in part holds keys masked
+  // for that row with p = 0 exactly, and 0 * (NaN or inf) in their V would reach the row: a
+  // masked key must not be read. So when such a tile's V is not all finite (rare: one scan of
+  // the tile), each row accumulates only its own visible keys.
+  [[gnu::always_inline]] static void accumulate_tile(const float* p_tile, int32_t rows,
+                                                     int32_t rows_padded, int32_t pv_rows,
+                                                     const float* v_tile, int32_t dim_padded,
+                                                     int32_t keys, int32_t key0, bool all_visible,
+                                                     int32_t group_size, const int32_t* first_key,
+                                                     const int32_t* last_key, const float* alpha,
+                                                     float* o) {
+    if (all_visible || values_finite(v_tile, keys, dim_padded)) {
+      accumulate_values(p_tile, rows_padded, pv_rows, v_tile, dim_padded, keys, alpha, o);
+      return;
+    }
+    const int32_t dim_vecs = dim_padded / kLanes;
+    for (int32_t r = 0; r < rows; ++r) {
+      const int32_t t = r / group_size;
+      const int32_t lo = std::clamp(first_key[t] - key0, 0, keys);
+      const int32_t hi = std::clamp(last_key[t] - key0, lo, keys);
+      const float* p = p_tile + lo * rows_padded + r;
+      const float* v = v_tile + lo * dim_padded;
+      float* o_row = o + r * dim_padded;
+      int32_t dv = 0;
+      for (; dv + kPvDimVecs <= dim_vecs; dv += kPvDimVecs) {
+        value_block<1, kPvDimVecs>(p, rows_padded, v + dv * kLanes, dim_padded, hi - lo, alpha + r,
+                                   o_row + dv * kLanes);
+      }
+      for (; dv < dim_vecs; ++dv) {
+        value_block<1, 1>(p, rows_padded, v + dv * kLanes, dim_padded, hi - lo, alpha + r,
+                          o_row + dv * kLanes);
+      }
+    }
+  }
+
   // ---- run_work_item's steps (inlined into it: one function's machine code, as before) ----
 
   // Visible keys of each token, clipped to the item's key range (first_key / last_key per
@@ -447,16 +502,21 @@ class FlashAttentionKernel {
     constexpr double kLn2 = 0.69314718055994530942;
     for (int32_t r = 0; r < rows; ++r) {
       const float sum = row_sum[r];
-      // sum == 0 exactly when the row saw no key: every probability was exp2(-inf) = 0.
-      const bool empty = !(sum > 0.0f);
-      const float inv_sum = empty ? 0.0f : context.out_scale / sum;
+      // sum == 0 exactly when the row saw no key, or only -inf scores: every probability was
+      // exp2(-inf) = 0. Such a row is o = 0 even where an infinite v made its accumulator
+      // 0 * inf = NaN; as a split-KV partial it keeps 0 * that accumulator, so the merge sees
+      // the NaN a single pass would have (merge_partials). A NaN sum (a NaN or +inf score)
+      // makes the row and its lse NaN.
+      const bool empty = sum == 0.0f;
       const float lse =
           empty ? minus_inf_lse
                 : static_cast<float>((row_max[r] + std::log2(static_cast<double>(sum))) * kLn2);
-      const Vec scale = Simd::set1(inv_sum);
+      const bool zero_row = empty && item.partial_row < 0;
+      const Vec scale = Simd::set1(empty ? 0.0f : context.out_scale / sum);
       const float* o_row = o + r * dim_padded;
       for (int32_t d = 0; d < dim_padded; d += kLanes) {
-        Simd::store(row_buffer + d, Simd::mul(Simd::load(o_row + d), scale));
+        Simd::store(row_buffer + d,
+                    zero_row ? Simd::zero() : Simd::mul(Simd::load(o_row + d), scale));
       }
       if (item.partial_row >= 0) {
         const int64_t partial = static_cast<int64_t>(item.partial_row) + r;
@@ -474,6 +534,11 @@ class FlashAttentionKernel {
 
   // Online softmax over one tile: updates the running max / sum, writes P = exp2(S - max) in
   // place and the factor alpha that rescales the O accumulated so far.
+  // Non-finite scores need no test here: a NaN score gives p = exp2(NaN) = NaN, and a +inf one
+  // makes the max +inf and its p = exp2(inf - inf) = NaN, so the row sum turns NaN and stays NaN
+  // (sum * alpha + ...), and so does the row of O; write_rows then writes o = NaN, lse = NaN.
+  // The max may drop a NaN (maxps returns its second operand then), which only matters once the
+  // sum is NaN already. A -inf score is p = 0, like a masked key.
   static void online_softmax(float* s_tile, int32_t rows_padded, int32_t keys, float* row_max,
                              float* row_sum, float* row_alpha) {
     // A row that has seen no key yet keeps max = -inf; subtracting -FLT_MAX instead keeps
@@ -626,7 +691,8 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
       }
     }
     online_softmax(s_tile, rows_padded, keys, row_max, row_sum, row_alpha);
-    accumulate_values(s_tile, rows_padded, pv_rows, v_tile, dim_padded, keys, row_alpha, o);
+    accumulate_tile(s_tile, rows, rows_padded, pv_rows, v_tile, dim_padded, keys, key0,
+                    all_visible, group_size, first_key, last_key, row_alpha, o);
   }
 
   write_rows(context, item, rows, dim_padded, first_token, o, row_max, row_sum, row_buffer);

@@ -6,6 +6,9 @@
 // with m = max_S lse_S, so no exponential overflows. A state with lse = -inf saw no key: it has
 // weight 0 and its o is never read (an empty partial's o may be uninitialised memory, and
 // 0 * NaN would poison the result). If every state is empty the result is o = 0, lse = -inf.
+// A state with lse = NaN (a row that met a NaN or +inf score, include/tessera/attention.hpp) or
+// +inf (no finite weight) makes the merged row NaN: o = NaN in every feature, lse = NaN. NaN or
+// inf inside the o of a finite state propagates to the features holding it, per IEEE.
 //
 // Accumulation is in double; the output row is written element by element only after its inputs
 // at that element are read, so o_out may alias an input (in-place merge into o_a).
@@ -22,15 +25,22 @@ namespace tessera::detail {
 namespace {
 
 constexpr float kNegativeInfinity = -std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// lse NaN or +inf: the state cannot be weighed, and the merged row is NaN.
+bool poisoned_lse(float lse) { return !(lse < std::numeric_limits<float>::infinity()); }
 
 int64_t head_row_offset(const TensorView& view, int64_t row, int64_t head) {
   return row * view.stride[0] + head * view.stride[1];
 }
 
-void write_empty_row(const TensorView& o_out, int64_t row, int64_t head, int64_t head_dim) {
+// o = value in every feature of the row; lse_out (when given) = lse.
+void write_constant_row(const TensorView& o_out, float* lse_out, int64_t row, int64_t head,
+                        int64_t head_dim, float value, float lse) {
   const int64_t offset = head_row_offset(o_out, row, head);
   for (int64_t d = 0; d < head_dim; ++d)
-    store_from_float(o_out.data, o_out.dtype, offset + d, 0.0f);
+    store_from_float(o_out.data, o_out.dtype, offset + d, value);
+  if (lse_out != nullptr) lse_out[row * o_out.shape[1] + head] = lse;
 }
 
 }  // namespace
@@ -47,9 +57,12 @@ void cpu_merge_state(const TensorView& o_a, const float* lse_a, const TensorView
       const float b = lse_b[lse_index];
       const bool a_empty = a == kNegativeInfinity;
       const bool b_empty = b == kNegativeInfinity;
+      if (poisoned_lse(a) || poisoned_lse(b)) {
+        write_constant_row(o_out, lse_out, row, head, head_dim, kNaN, kNaN);
+        continue;
+      }
       if (a_empty && b_empty) {
-        write_empty_row(o_out, row, head, head_dim);
-        if (lse_out != nullptr) lse_out[lse_index] = kNegativeInfinity;
+        write_constant_row(o_out, lse_out, row, head, head_dim, 0.0f, kNegativeInfinity);
         continue;
       }
       const double max_lse = a_empty ? b : (b_empty ? a : std::fmax(a, b));
@@ -86,13 +99,18 @@ void cpu_merge_states(const TensorView& states, const float* lse, const int32_t*
     const int64_t end_state = indptr[row + 1];
     for (int64_t head = 0; head < heads; ++head) {
       double max_lse = kNegativeInfinity;
+      bool poisoned = false;
       for (int64_t state = first_state; state < end_state; ++state) {
         const float value = lse[state * heads + head];
+        poisoned = poisoned || poisoned_lse(value);
         if (value != kNegativeInfinity && value > max_lse) max_lse = value;
       }
+      if (poisoned) {
+        write_constant_row(o_out, lse_out, row, head, head_dim, kNaN, kNaN);
+        continue;
+      }
       if (max_lse == kNegativeInfinity) {
-        write_empty_row(o_out, row, head, head_dim);
-        if (lse_out != nullptr) lse_out[row * heads + head] = kNegativeInfinity;
+        write_constant_row(o_out, lse_out, row, head, head_dim, 0.0f, kNegativeInfinity);
         continue;
       }
 

@@ -19,7 +19,9 @@ struct ReferenceRow {
 
 // Attention of one query row against the already-converted K/V rows (float, [kv_len, head_dim])
 // of its request and kv head. Writes head_dim values to `out`; returns the natural-log lse
-// (-inf when the row sees no key, and then `out` is all zeros).
+// (-inf when the row sees no key or every visible score is -inf, and then `out` is all zeros;
+// NaN when a visible score is NaN or +inf, and then `out` is all NaN: the non-finite semantics
+// of include/tessera/attention.hpp).
 double reference_row(const AttentionProblem& problem, int32_t request, int32_t token,
                      int32_t qo_head, const float* keys, const float* values, double* out);
 

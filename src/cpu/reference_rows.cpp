@@ -43,6 +43,7 @@ double reference_row(const AttentionProblem& problem, int32_t request, int32_t t
   const double soft_cap = problem.soft_cap;
   std::vector<double> logits(last - first);
   double max_logit = -std::numeric_limits<double>::infinity();
+  bool poisoned = false;  // a visible score is NaN or +inf: the whole row is NaN
   for (int32_t j = first; j < last; ++j) {
     const float* key = keys + static_cast<size_t>(j) * head_dim;
     double dot = 0.0;
@@ -50,10 +51,19 @@ double reference_row(const AttentionProblem& problem, int32_t request, int32_t t
     double s = dot * logit_scale;
     if (soft_cap > 0.0) s = soft_cap * std::tanh(s / soft_cap);
     logits[j - first] = s;
+    poisoned = poisoned || std::isnan(s) || s == std::numeric_limits<double>::infinity();
     max_logit = std::max(max_logit, s);
   }
+  if (poisoned) {
+    std::fill(out, out + head_dim, std::numeric_limits<double>::quiet_NaN());
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  // Every visible score is -inf (finite q against infinite keys): each has weight 0, as a
+  // masked key does, so the row is empty whatever v holds.
+  if (max_logit == -std::numeric_limits<double>::infinity()) return max_logit;
   double sum = 0.0;
   for (int32_t j = first; j < last; ++j) {
+    // A -inf score gives p = 0 exactly; 0 * an infinite v is NaN (IEEE, as torch).
     const double p = std::exp(logits[j - first] - max_logit);
     sum += p;
     const float* value = values + static_cast<size_t>(j) * head_dim;
