@@ -30,8 +30,10 @@
 //    with p_j > 0 gives inf (NaN once inf - inf meet), NaN gives NaN, and a visible key of weight
 //    exactly 0 (score -inf) with an infinite v gives NaN (0 * inf), as in torch; lse is unchanged.
 //    A key outside V is never read, whatever its k or v holds.
-//  * merge_state / merge_states and split-KV: a NaN partial (lse NaN, or +inf) makes the merged
-//    row NaN; an empty partial (lse = -inf) contributes nothing.
+//  * merge_state / merge_states: a NaN state (lse NaN, or +inf) makes the merged row NaN; an
+//    empty state (lse = -inf) contributes nothing (its o is never read). Split-KV pieces combine
+//    as one pass over all the keys would: a NaN piece makes the row NaN, and an empty piece has
+//    weight 0 and adds 0 * its o (0, unless a key of score -inf met an infinite v there).
 //  * Rows the non-finite value does not touch (other requests, other kv heads, rows whose mask
 //    excludes the key) are exactly as without it.
 // Checked mode (set_index_checking, TESSERA_CHECK=1; tessera/backend.hpp) rejects a non-finite
