@@ -23,8 +23,15 @@ int num_threads();
 // them would synchronise. With checking on, run_* first copies them to the host (synchronising
 // the stream), applies every check the CPU path applies (monotone indptr, lengths equal to the
 // plan's, page ids in [0, num_pages), last_page_len in [1, page_size]) and throws naming the
-// first bad entry before any kernel is launched. Off by default; TESSERA_CHECK=1 in the
-// environment turns it on at start-up. Not for CUDA-graph capture (it synchronises).
+// first bad entry before any kernel is launched. It also scans the q, k and v elements the call
+// reads (q rows that see a key; each request's keys its rows see, every head and dim) for NaN and
+// +-inf, on the CPU for host tensors and with one small kernel for device tensors, and throws
+// naming the tensor and its first such element in (request, token / key, head, dim) order, e.g.
+// "'k_cache': non-finite value nan at page 3, token 5 (request 0, key 21), head 1, dim 17";
+// unread memory (padding, other pages, masked keys) is not checked. Without checked mode
+// non-finite inputs follow the semantics of tessera/attention.hpp. Off by default;
+// TESSERA_CHECK=1 in the environment turns it on at start-up. Not for CUDA-graph capture (it
+// synchronises).
 void set_index_checking(bool on);
 bool index_checking();
 

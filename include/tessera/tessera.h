@@ -263,7 +263,9 @@ TESSERA_API tessera_status tessera_set_num_threads(int threads);
 /* Checked mode (process-wide): with enable != 0, run calls copy device-resident index arrays
    (indptr, page_indices, last_page_len) to the host, synchronising the stream, and validate
    them like host arrays before any kernel runs; a bad entry returns
-   TESSERA_ERROR_INVALID_ARGUMENT naming it. Off by default (TESSERA_CHECK=1 turns it on). */
+   TESSERA_ERROR_INVALID_ARGUMENT naming it. It also rejects NaN / inf in the q, k and v elements
+   a call reads (TESSERA_ERROR_INVALID_ARGUMENT naming the tensor and the first such element;
+   tessera/backend.hpp). Off by default (TESSERA_CHECK=1 turns it on). */
 TESSERA_API tessera_status tessera_set_index_checking(int enable);
 TESSERA_API int tessera_index_checking(void);
 /* Non-zero: serve CPU attention with the double-accumulating reference (tests); 0: the fast

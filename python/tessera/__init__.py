@@ -116,8 +116,10 @@ def set_num_threads(threads: int) -> None:
 def set_index_checking(enable: bool = True) -> None:
     """Checked mode (process-wide): run() copies device-resident index arrays (indptr,
     page_indices, last_page_len) to the host and validates them before any kernel runs, raising
-    ValueError that names the first bad entry. Synchronises the stream, so keep it off in
-    production and during CUDA-graph capture; ``TESSERA_CHECK=1`` turns it on at start-up."""
+    ValueError that names the first bad entry; it also raises ValueError naming the tensor and
+    the first NaN / inf element among the q, k and v values a call reads. Synchronises the
+    stream, so keep it off in production and during CUDA-graph capture; ``TESSERA_CHECK=1``
+    turns it on at start-up."""
     _check(_lib().tessera_set_index_checking(1 if enable else 0))
 
 

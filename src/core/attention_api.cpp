@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/dispatch.hpp"
+#include "core/nonfinite_check.hpp"
 #include "core/paged_source.hpp"
 #include "core/planner.hpp"
 #include "core/validate.hpp"
@@ -220,10 +221,12 @@ AttentionProblem base_problem(const Plan& plan, const TensorView& q, const Tenso
 }
 
 // k_scale / v_scale dequantise an fp8 cache; for fp16/bf16 K/V they are documented as ignored,
-// so every backend sees 1 there.
-void dispatch(const Plan& plan, AttentionProblem& problem, Workspace workspace, void* stream) {
+// so every backend sees 1 there. Checked mode also rejects a NaN / inf input the call reads.
+void dispatch(const ArgChecker& check, const Plan& plan, AttentionProblem& problem,
+              Workspace workspace, void* stream) {
   const bool fp8 = problem.kv.dtype == DType::kFloat8E4M3 || problem.kv.dtype == DType::kFloat8E5M2;
   if (!fp8) problem.k_scale = problem.v_scale = 1.0f;
+  if (index_checking()) detail::check_finite_inputs(check, plan, problem, stream);
   detail::dispatch_attention(plan, problem, workspace, stream);
 }
 
@@ -469,7 +472,7 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
   problem.kv.k_extent = k.shape[0];
   problem.kv.v_extent = v.shape[0];
   problem.kv.kv_indptr = kv_indptr.ptr<const int32_t>();
-  dispatch(plan, problem, workspace, stream);
+  dispatch(check, plan, problem, workspace, stream);
 }
 
 void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
@@ -484,7 +487,7 @@ void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache
   AttentionProblem problem = base_problem(plan, q, o, lse);
   problem.qo_indptr = qo_indptr.ptr<const int32_t>();
   problem.kv = source;
-  dispatch(plan, problem, workspace, stream);
+  dispatch(check, plan, problem, workspace, stream);
 }
 
 void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
@@ -498,7 +501,7 @@ void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
   problem.qo_indptr = nullptr;
   problem.q_per_request = plan.batch_size > 0 ? plan.q_lens[0] : 1;
   problem.kv = source;
-  dispatch(plan, problem, workspace, stream);
+  dispatch(check, plan, problem, workspace, stream);
 }
 
 // ---------------------------------------------------------------- one-shot

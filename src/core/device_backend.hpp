@@ -50,6 +50,15 @@ struct DeviceBackend {
                       const float* lse_b, const TensorView& o_out, float* lse_out, void* stream);
   void (*merge_states)(const TensorView& states, const float* lse, const int32_t* indptr,
                        const TensorView& o_out, float* lse_out, void* stream);
+
+  // Checked mode (core/nonfinite_check.hpp): the first NaN / inf among rows x heads x head_dim
+  // elements of a float tensor on `device`, element (r, h, d) at row_offsets[r] + h * head_stride
+  // + d (row_offsets: a host array of `rows` element offsets). Returns
+  // r * heads * head_dim + h * head_dim + d of the first (lowest) one, or -1 when all are finite.
+  // Synchronises `stream`.
+  int64_t (*first_nonfinite)(int device, const void* data, DType dtype,
+                             const int64_t* row_offsets, int64_t rows, int32_t heads,
+                             int64_t head_stride, int32_t head_dim, void* stream);
 };
 
 // The GPU backend compiled into this library; nullptr when it has none.

@@ -24,7 +24,8 @@ constexpr SettingDoc kSettings[] = {
     {"TESSERA_CPU_ISA", "generic|avx2|avx512", "", SettingScope::kUser,
      "caps the CPU kernels' instruction set (default: the best the CPU has)"},
     {"TESSERA_CHECK", "bool", "0", SettingScope::kUser,
-     "checked mode: validate device-resident index arrays before every run (synchronises)"},
+     "checked mode: before every run, validate device-resident index arrays and reject NaN / "
+     "inf in the q, k, v elements it reads (synchronises)"},
     {"TESSERA_TUNE_FILE", "path", "", SettingScope::kUser,
      "the decode tuning file (default: $XDG_CACHE_HOME/tessera/tune.txt, else "
      "~/.cache/tessera/tune.txt)"},

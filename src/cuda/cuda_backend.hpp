@@ -95,5 +95,10 @@ void cuda_merge_state(const TensorView& o_a, const float* lse_a, const TensorVie
                       const float* lse_b, const TensorView& o_out, float* lse_out, void* stream);
 void cuda_merge_states(const TensorView& states, const float* lse, const int32_t* indptr,
                        const TensorView& o_out, float* lse_out, void* stream);
+// Checked mode: the first NaN / inf of rows x heads x head_dim elements of a device tensor
+// (DeviceBackend::first_nonfinite; src/cuda/ops/nonfinite.cu). Synchronises `stream`.
+int64_t cuda_first_nonfinite(int device, const void* data, DType dtype,
+                             const int64_t* row_offsets, int64_t rows, int32_t heads,
+                             int64_t head_stride, int32_t head_dim, void* stream);
 
 }  // namespace tessera::detail

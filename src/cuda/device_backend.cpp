@@ -49,6 +49,7 @@ const DeviceBackend kCuda = {
     &cuda_block_table_to_csr,
     &cuda_merge_state,
     &cuda_merge_states,
+    &cuda_first_nonfinite,
 };
 
 }  // namespace
