@@ -1,0 +1,113 @@
+// Shared machinery of the non-finite input tests (tests/test_nonfinite.cpp on the CPU,
+// tests/test_cuda_nonfinite.cpp on the GPU), for the semantics of include/tessera/attention.hpp:
+// a case is a random attention case with one bad value (NaN, +inf or -inf in q, k or v) put at a
+// chosen site, the same inputs without it, and what every output row (query token, query head)
+// must then hold, derived from the definition independently of the reference:
+//   kClean    untouched: as the run without the bad value (bit for bit), and close to the
+//             reference on the inputs without it;
+//   kNaN      o = NaN in every feature, lse = NaN;
+//   kEmpty    o = 0 exactly, lse = -inf (no visible key, or only -inf scores);
+//   kFeature  o[site.dim] NaN (or +inf), the other features and lse close to a reference;
+//   kChanged  finite and close to the reference on the poisoned inputs (a -inf score dropped a
+//             key).
+// Sites are chosen so that the bad value touches some rows and leaves others (other requests,
+// the other kv head, rows whose causal mask excludes the key) alone, and signs are forced where
+// the definition needs them (q . k = +inf needs k > 0 against q = +inf).
+//
+//   std::mt19937_64 rng(seed);
+//   NonfiniteCase c = make_nonfinite_case(nonfinite_shape(point), Poison::kKNaN, rng);
+//   const NonfiniteReference reference = nonfinite_reference(c);
+//   const Outputs clean = ..., poisoned = ...;  // the implementation on c.clean / c.poisoned
+//   EXPECT_EQ(check_nonfinite(c, poisoned, clean, reference, tolerance, lse_tolerance), "");
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/attention_testing.hpp"
+
+namespace tessera::test {
+
+enum class Poison : int32_t {
+  kQNaN,             // NaN in one q element: that row NaN (and an empty row stays empty)
+  kQPosInf,          // +inf in q, k > 0 at that dim: every score +inf, the row NaN
+  kQNegInf,          // -inf in q, k > 0 at that dim: every score -inf, the row empty
+  kKNaN,             // NaN in one k element: every row seeing that key NaN
+  kKPosInf,          // +inf in k, q > 0 at that dim: rows seeing the key NaN
+  kKNegInfKey,       // -inf in one k element, q > 0: the key has weight 0 (dropped)
+  kAllScoresNegInf,  // -inf in every key of one (request, kv head), q > 0: those rows empty
+  kVNaN,             // NaN in one v element: that feature NaN in rows seeing the key
+  kVInf,             // +inf in one v element: that feature +inf in rows seeing the key
+  kVInfZeroWeight,   // +inf in v of a key whose score is -inf: 0 * inf, that feature NaN
+};
+inline constexpr Poison kAllPoisons[] = {
+    Poison::kQNaN,          Poison::kQPosInf,         Poison::kQNegInf, Poison::kKNaN,
+    Poison::kKPosInf,       Poison::kKNegInfKey,      Poison::kAllScoresNegInf,
+    Poison::kVNaN,          Poison::kVInf,            Poison::kVInfZeroWeight};
+const char* poison_name(Poison poison);
+
+// Where the bad value goes: request, query token (0-based in the request) and query head for
+// q; key and kv head for k / v; the feature for both. (empty_request, empty_token): a q row
+// that sees no key (-1: the case has none), which the q cases poison too: it must stay empty.
+struct PoisonSite {
+  int32_t request = 0, token = 0, qo_head = 0, key = 0, kv_head = 0, dim = 0;
+  int32_t empty_request = -1, empty_token = -1;
+};
+
+enum class RowKind : int32_t { kClean, kNaN, kEmpty, kFeature, kChanged };
+struct RowExpectation {
+  RowKind kind = RowKind::kClean;
+  bool feature_nan = false;      // kFeature: NaN (else +inf) at site.dim
+  bool versus_poisoned = false;  // kFeature: other features against the poisoned reference
+};
+
+struct NonfiniteCase {
+  Poison poison = Poison::kQNaN;
+  PoisonSite site;
+  AttentionBuffers clean;     // the inputs without the bad value (signs forced alike)
+  AttentionBuffers poisoned;  // the same with it
+  std::vector<RowExpectation> rows;  // [total_q x num_qo_heads], token-major
+  int64_t touched = 0;  // rows that see a key and are not kClean
+
+  int64_t count(RowKind kind) const;
+  std::string describe() const;
+};
+
+// The shape of a case of the test matrix: three requests, one without keys, one long (the
+// site), one with fewer keys than queries (causal rows without keys). Decode (uniform queries
+// over a paged cache) when `decode`; long_kv: thousands of keys (split-KV).
+struct NonfiniteShape {
+  bool paged = false;
+  bool decode = false;
+  int32_t page_size = 16;
+  bool causal = false;
+  int32_t group_size = 1;  // query heads per kv head (2 kv heads)
+  DType dtype = DType::kFloat16;
+  int32_t head_dim = 64;
+  int32_t q_per_request = 1;  // decode
+  int32_t long_kv = 0;        // > 0: the site request has this many keys
+  int32_t long_q = 0;         // > 0 (prefill): the site request has this many queries
+  std::string describe() const;
+};
+AttentionCase nonfinite_shape(const NonfiniteShape& shape);
+
+// Builds a case over `c`: its site request is the one with the most keys (it must have queries).
+NonfiniteCase make_nonfinite_case(const AttentionCase& c, Poison poison, std::mt19937_64& rng);
+
+// The reference (double, src/cpu/reference_*.cpp) on both inputs.
+struct NonfiniteReference {
+  Outputs clean, poisoned;
+};
+NonfiniteReference nonfinite_reference(NonfiniteCase& c);
+
+// "" when `actual` (an implementation's outputs on c.poisoned) meets every row's expectation,
+// `clean_run` being the same implementation's outputs on c.clean (kClean rows must match it bit
+// for bit; pass nullptr to skip that); else what failed, a few rows at most. tolerance: relative
+// L2 over every compared feature; lse_tolerance: absolute, per row.
+std::string check_nonfinite(const NonfiniteCase& c, const Outputs& actual,
+                            const Outputs* clean_run, const NonfiniteReference& reference,
+                            double tolerance, double lse_tolerance);
+
+}  // namespace tessera::test
