@@ -23,7 +23,12 @@ def attention_ref(
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Ragged attention in float64: q [total_q, H, D]; k, v [total_kv, H_kv, D] ragged by the
     lengths (or per-request key/value rows in ``k_rows`` as (k_b, v_b) pairs).
-    Returns (o [total_q, H, D], lse [total_q, H])."""
+    Returns (o [total_q, H, D], lse [total_q, H]).
+
+    Non-finite inputs as include/tessera/attention.hpp defines them: a row without a visible
+    key is o = 0, lse = -inf; a NaN or +inf visible score makes the row NaN (o and lse); a -inf
+    score has weight 0 and a row of only -inf scores is empty; NaN / inf in v reach o per IEEE
+    (0 * inf = NaN for a visible key of weight 0), and a masked key's v is never read."""
     q = np.asarray(q, np.float64)
     total_q, heads, dim = q.shape
     scale = 1.0 / math.sqrt(dim) if sm_scale is None else sm_scale
@@ -52,23 +57,41 @@ def attention_ref(
         for h in range(heads):
             if lk == 0:
                 continue
-            s = qb[:, h] @ kb[:, h // group].T * scale
-            if softcap > 0:
-                s = softcap * np.tanh(s / softcap)
-            s = np.where(visible, s, -np.inf)
-            m = s.max(axis=1, keepdims=True)
-            rows = np.isfinite(m[:, 0])
-            p = np.zeros_like(s)
-            p[rows] = np.exp(s[rows] - m[rows])
-            denominator = p.sum(axis=1, keepdims=True)
-            out = np.zeros((lq, dim))
-            out[rows] = (p[rows] @ vb[:, h // group]) / denominator[rows]
+            out, row_lse = _attention_rows(qb[:, h], kb[:, h // group], vb[:, h // group],
+                                           visible, scale, softcap)
             o[q_start:q_start + lq, h] = out
-            lse[q_start:q_start + lq, h] = np.where(
-                rows, m[:, 0] + np.log(np.where(rows, denominator[:, 0], 1.0)), -np.inf)
+            lse[q_start:q_start + lq, h] = row_lse
         q_start += lq
         kv_start += lk
     return o, lse
+
+
+def _attention_rows(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, visible: np.ndarray,
+                    scale: float, softcap: float) -> Tuple[np.ndarray, np.ndarray]:
+    """The rows of one (request, query head): qh [lq, D], kh, vh [lk, D], visible [lq, lk]."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = np.einsum("id,jd->ij", qh, kh) * scale  # per IEEE (BLAS may reorder inf * 0)
+        if softcap > 0:
+            s = softcap * np.tanh(s / softcap)
+        poisoned = (visible & (np.isnan(s) | (s == np.inf))).any(axis=1)
+        s = np.where(visible & ~poisoned[:, None], s, -np.inf)
+        m = s.max(axis=1, keepdims=True)
+        rows = np.isfinite(m[:, 0])  # some visible score is finite
+        p = np.zeros_like(s)
+        p[rows] = np.exp(s[rows] - m[rows])
+        denominator = p.sum(axis=1, keepdims=True)
+        if np.isfinite(vh).all():
+            numerator = p @ vh
+        else:  # p = 0 for masked keys must not meet their v (0 * inf)
+            terms = p[:, :, None] * vh[None, :, :]
+            numerator = np.where(visible[:, :, None], terms, 0.0).sum(axis=1)
+        out = np.zeros((len(qh), vh.shape[1]))
+        out[rows] = numerator[rows] / denominator[rows]
+        out[poisoned] = np.nan
+        row_lse = np.where(rows, m[:, 0] + np.log(np.where(rows, denominator[:, 0], 1.0)),
+                           -np.inf)
+        row_lse[poisoned] = np.nan
+    return out, row_lse
 
 
 def indptr(lengths: Sequence[int]) -> np.ndarray:
@@ -116,18 +139,23 @@ def rope_ref(x: np.ndarray, positions: np.ndarray, rotary_dim: Optional[int] = N
 
 
 def merge_ref(states: Sequence[Tuple[np.ndarray, np.ndarray]]) -> Tuple[np.ndarray, np.ndarray]:
-    """Merge of partial states (o [N, H, D], lse [N, H]) in float64."""
+    """Merge of partial states (o [N, H, D], lse [N, H]) in float64. An empty state (lse = -inf)
+    has weight 0 and its o is never read; a NaN (or +inf) lse makes the row NaN."""
     lses = np.stack([np.asarray(s, np.float64) for _, s in states])  # [S, N, H]
     outs = np.stack([np.asarray(o, np.float64) for o, _ in states])  # [S, N, H, D]
-    m = lses.max(axis=0)
-    finite = np.isfinite(m)
+    poisoned = (np.isnan(lses) | (lses == np.inf)).any(axis=0)
+    present = np.isfinite(lses)
+    m = np.where(present, lses, -np.inf).max(axis=0)
+    finite = np.isfinite(m) & ~poisoned
     safe_m = np.where(finite, m, 0.0)
-    weights = np.where(np.isfinite(lses), np.exp(lses - safe_m), 0.0)
-    total = weights.sum(axis=0)
-    o = np.where(finite[..., None],
-                 (weights[..., None] * outs).sum(axis=0) / np.where(finite, total, 1.0)[..., None],
-                 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weights = np.where(present, np.exp(np.where(present, lses, 0.0) - safe_m), 0.0)
+        total = weights.sum(axis=0)
+        weighted = np.where(present[..., None], weights[..., None] * outs, 0.0).sum(axis=0)
+        o = np.where(finite[..., None], weighted / np.where(finite, total, 1.0)[..., None], 0.0)
     lse = np.where(finite, safe_m + np.log(np.where(finite, total, 1.0)), -np.inf)
+    o[poisoned] = np.nan
+    lse[poisoned] = np.nan
     return o, lse
 
 
