@@ -11,7 +11,6 @@
 // The same matrix on the GPU: tests/test_cuda_nonfinite.cpp.
 #include <gtest/gtest.h>
 
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -206,44 +205,8 @@ TEST(NonfiniteCpu, SoftCapMakesInfiniteScoresFinite) {
 
 // ---- merge_state / merge_states ----
 
-struct MergeRows {
-  int64_t n = 0, h = 2, d = 8;
-  std::vector<float> o_a, lse_a, o_b, lse_b;
-};
-
-// Row r of a and b: (lse_a, lse_b), and a value written into a's o at feature 3 (0: none).
-MergeRows merge_rows(const std::vector<std::array<float, 3>>& rows) {
-  MergeRows m;
-  m.n = static_cast<int64_t>(rows.size());
-  std::mt19937_64 rng(5);
-  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
-  m.o_a.resize(m.n * m.h * m.d);
-  m.o_b.resize(m.n * m.h * m.d);
-  for (float& x : m.o_a) x = value(rng);
-  for (float& x : m.o_b) x = value(rng);
-  for (int64_t r = 0; r < m.n; ++r) {
-    for (int64_t j = 0; j < m.h; ++j) {
-      m.lse_a.push_back(rows[r][0]);
-      m.lse_b.push_back(rows[r][1]);
-      if (rows[r][2] != 0.0f) m.o_a[(r * m.h + j) * m.d + 3] = rows[r][2];
-      if (rows[r][0] == -kInf) m.o_a[(r * m.h + j) * m.d + 5] = kNaN;  // empty: never read
-      if (rows[r][1] == -kInf) m.o_b[(r * m.h + j) * m.d + 5] = kNaN;
-    }
-  }
-  return m;
-}
-
 TEST(NonfiniteMerge, MergeStateNaNAndEmptyPartials) {
-  // Rows: NaN + finite, finite + NaN, NaN + empty, empty + empty, +inf + finite, a finite state
-  // whose o holds NaN / inf in feature 3, finite + empty (the empty o holds NaN: unread).
-  const MergeRows m = merge_rows({{kNaN, 0.5f, 0},
-                                  {0.5f, kNaN, 0},
-                                  {kNaN, -kInf, 0},
-                                  {-kInf, -kInf, 0},
-                                  {kInf, 0.5f, 0},
-                                  {0.2f, 0.7f, kNaN},
-                                  {0.2f, 0.7f, kInf},
-                                  {0.3f, -kInf, 0}});
+  const test::MergeStateCase m = test::merge_state_case();
   std::vector<float> o(m.o_a.size(), 7.0f), lse(m.lse_a.size(), 7.0f);
   auto view3 = [&](const std::vector<float>& x) {
     return make_view(const_cast<float*>(x.data()), DType::kFloat32, {m.n, m.h, m.d});
@@ -252,60 +215,23 @@ TEST(NonfiniteMerge, MergeStateNaNAndEmptyPartials) {
     return make_view(const_cast<float*>(x.data()), DType::kFloat32, {m.n, m.h});
   };
   merge_state(view3(m.o_a), view2(m.lse_a), view3(m.o_b), view2(m.lse_b), view3(o), view2(lse));
-  for (int64_t j = 0; j < m.h; ++j) {
-    auto at = [&](int64_t r, int64_t f) { return o[(r * m.h + j) * m.d + f]; };
-    auto lse_at = [&](int64_t r) { return lse[r * m.h + j]; };
-    for (int64_t r : {0, 1, 2, 4}) {
-      EXPECT_TRUE(std::isnan(lse_at(r))) << "row " << r;
-      for (int64_t f = 0; f < m.d; ++f) EXPECT_TRUE(std::isnan(at(r, f))) << r << " " << f;
-    }
-    EXPECT_EQ(lse_at(3), -kInf);
-    for (int64_t f = 0; f < m.d; ++f) EXPECT_EQ(at(3, f), 0.0f);
-    for (int64_t r : {5, 6}) {
-      EXPECT_TRUE(std::isfinite(lse_at(r)));
-      for (int64_t f = 0; f < m.d; ++f) {
-        if (f == 3) {
-          EXPECT_TRUE(r == 5 ? std::isnan(at(r, f)) : at(r, f) == kInf) << r;
-        } else {
-          EXPECT_TRUE(std::isfinite(at(r, f))) << r << " " << f;
-        }
-      }
-    }
-    EXPECT_EQ(lse_at(7), 0.3f);
-    for (int64_t f = 0; f < m.d; ++f) EXPECT_NEAR(at(7, f), m.o_a[(7 * m.h + j) * m.d + f], 1e-6);
-  }
+  EXPECT_EQ(test::check_merge_state(m, o, lse), "");
+  // In place (o_out = o_a), as split-KV cascades use it.
+  std::vector<float> o_a = m.o_a;
+  merge_state(view3(o_a), view2(m.lse_a), view3(m.o_b), view2(m.lse_b), view3(o_a), view2(lse));
+  EXPECT_EQ(test::check_merge_state(m, o_a, lse), "") << "in place";
 }
 
 TEST(NonfiniteMerge, MergeStatesNaNAndEmptyPartials) {
-  // Rows of merge_states: all-NaN states, NaN among finite ones, NaN + empty, all empty, one
-  // +inf state, finite states (the NaN o of an empty one unread).
-  const int64_t h = 1, d = 4;
-  const std::vector<int32_t> indptr = {0, 2, 5, 7, 9, 11, 14};
-  const std::vector<float> lse = {kNaN, kNaN, 0.1f,  kNaN, 0.4f, kNaN, -kInf,
-                                  -kInf, -kInf, kInf, 0.2f, 0.5f, -kInf, 0.25f};
-  const int64_t states = static_cast<int64_t>(lse.size());
-  std::vector<float> o_states(states * h * d, 0.5f);
-  for (int64_t s = 0; s < states; ++s) {
-    if (lse[s] == -kInf) o_states[s * d + 1] = kNaN;  // never read
-  }
-  const int64_t rows = static_cast<int64_t>(indptr.size()) - 1;
-  std::vector<float> o(rows * h * d, 7.0f), lse_out(rows * h, 7.0f);
-  std::vector<int32_t> ip = indptr;
-  std::vector<float> lse_in = lse;
-  merge_states(make_view(o_states.data(), DType::kFloat32, {states, h, d}),
-               make_view(lse_in.data(), DType::kFloat32, {states, h}),
-               make_view(ip.data(), DType::kInt32, {rows + 1}),
-               make_view(o.data(), DType::kFloat32, {rows, h, d}),
-               make_view(lse_out.data(), DType::kFloat32, {rows, h}));
-  for (int64_t r : {0, 1, 2, 4}) {
-    EXPECT_TRUE(std::isnan(lse_out[r])) << "row " << r;
-    for (int64_t f = 0; f < d; ++f) EXPECT_TRUE(std::isnan(o[r * d + f])) << r << " " << f;
-  }
-  EXPECT_EQ(lse_out[3], -kInf);
-  for (int64_t f = 0; f < d; ++f) EXPECT_EQ(o[3 * d + f], 0.0f);
-  const double expected = 0.5 + std::log(std::exp(0.0) + std::exp(0.25 - 0.5));
-  EXPECT_NEAR(lse_out[5], expected, 1e-6);
-  for (int64_t f = 0; f < d; ++f) EXPECT_NEAR(o[5 * d + f], 0.5f, 1e-6);
+  test::MergeStatesCase m = test::merge_states_case();
+  const int64_t states = static_cast<int64_t>(m.lse.size()), rows = m.rows();
+  std::vector<float> o(rows * m.h * m.d, 7.0f), lse_out(rows * m.h, 7.0f);
+  merge_states(make_view(m.states.data(), DType::kFloat32, {states, m.h, m.d}),
+               make_view(m.lse.data(), DType::kFloat32, {states, m.h}),
+               make_view(m.indptr.data(), DType::kInt32, {rows + 1}),
+               make_view(o.data(), DType::kFloat32, {rows, m.h, m.d}),
+               make_view(lse_out.data(), DType::kFloat32, {rows, m.h}));
+  EXPECT_EQ(test::check_merge_states(m, o, lse_out), "");
 }
 
 // ---- checked mode ----
@@ -323,22 +249,6 @@ std::string checked_run(AttentionBuffers& buffers) {
   return "";
 }
 
-// The checked-mode text naming the site's key in k_cache / v_cache / k / v.
-std::string key_where(const NonfiniteCase& c) {
-  const AttentionBuffers& b = c.poisoned;
-  const AttentionCase& ac = b.test_case;
-  const int32_t key = c.site.key, request = c.site.request;
-  std::string where;
-  if (ac.paged) {
-    const int32_t page = b.page_indices[b.page_indptr[request] + key / ac.page_size];
-    where = "page " + std::to_string(page) + ", token " + std::to_string(key % ac.page_size);
-  } else {
-    where = "row " + std::to_string(b.kv_indptr[request] + key);
-  }
-  return where + " (request " + std::to_string(request) + ", key " + std::to_string(key) +
-         "), head " + std::to_string(c.site.kv_head) + ", dim " + std::to_string(c.site.dim);
-}
-
 TEST(NonfiniteChecked, RejectsTheFirstBadInputNamingIt) {
   for (bool paged : {false, true}) {
     for (bool decode : {false, true}) {
@@ -349,38 +259,14 @@ TEST(NonfiniteChecked, RejectsTheFirstBadInputNamingIt) {
       shape.causal = true;
       shape.group_size = 4;
       shape.q_per_request = 3;
-      const std::string op = decode ? "run_decode" : (paged ? "run_paged_prefill"
-                                                            : "run_ragged_prefill");
-      const std::string k = paged ? "'k_cache'" : "'k'", v = paged ? "'v_cache'" : "'v'";
-      for (Poison poison : {Poison::kQNaN, Poison::kQPosInf, Poison::kKNaN, Poison::kKNegInfKey,
-                            Poison::kVNaN, Poison::kVInf}) {
+      for (Poison poison : test::kAllPoisons) {
+        if (poison == Poison::kAllScoresNegInf) continue;  // its first bad key is not the site
         std::mt19937_64 rng(40 + static_cast<uint64_t>(poison));
         NonfiniteCase c = test::make_nonfinite_case(test::nonfinite_shape(shape), poison, rng);
         SCOPED_TRACE(shape.describe() + ": " + c.describe());
         EXPECT_EQ(checked_run(c.clean), "");
         const std::string error = checked_run(c.poisoned);
-        std::string expected;
-        switch (poison) {
-          case Poison::kQNaN:
-          case Poison::kQPosInf: {
-            const int32_t token = c.poisoned.qo_indptr[c.site.request] + c.site.token;
-            expected = "tessera::" + op + ": 'q': non-finite value " +
-                       (poison == Poison::kQNaN ? "nan" : "inf") + " at token " +
-                       std::to_string(token) + " (request " + std::to_string(c.site.request) +
-                       ", query " + std::to_string(c.site.token) + "), head " +
-                       std::to_string(c.site.qo_head) + ", dim " + std::to_string(c.site.dim);
-            break;
-          }
-          case Poison::kKNaN:
-          case Poison::kKNegInfKey:
-            expected = "tessera::" + op + ": " + k + ": non-finite value " +
-                       (poison == Poison::kKNaN ? "nan" : "-inf") + " at " + key_where(c);
-            break;
-          default:
-            expected = "tessera::" + op + ": " + v + ": non-finite value " +
-                       (poison == Poison::kVNaN ? "nan" : "inf") + " at " + key_where(c);
-            break;
-        }
+        const std::string expected = test::checked_message(c);
         EXPECT_EQ(error.rfind(expected, 0), 0u) << "got: " << error << "\nexpected: " << expected;
         // Nothing ran: the outputs keep the poison run_through_api wrote into them.
         for (uint8_t byte : c.poisoned.o) ASSERT_EQ(byte, 0xff);
@@ -402,7 +288,7 @@ TEST(NonfiniteChecked, FirstInTheOrderOfRequestsKeysHeadsDims) {
   detail::store_from_float(c.poisoned.k.data(), c.poisoned.test_case.kv_dtype,
                            problem.kv.k_offset(c.site.request, 0, later_key) + 1, kInf);
   const std::string error = checked_run(c.poisoned);
-  EXPECT_NE(error.find("'k_cache': non-finite value nan at " + key_where(c)), std::string::npos)
+  EXPECT_NE(error.find("'k_cache': non-finite value nan at " + test::checked_key_where(c)), std::string::npos)
       << error;
 }
 

@@ -1,6 +1,7 @@
 #include "common/nonfinite_testing.hpp"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -414,6 +415,154 @@ std::string check_nonfinite(const NonfiniteCase& c, const Outputs& actual,
   if (bad_rows > 6) failures << "\n    ... " << bad_rows << " rows wrong in all";
   const std::string text = failures.str();
   return text.empty() ? text : c.describe() + text;
+}
+
+// ---- checked mode ----
+
+std::string checked_key_where(const NonfiniteCase& c) {
+  const AttentionBuffers& b = c.poisoned;
+  const AttentionCase& shape = b.test_case;
+  const int32_t key = c.site.key, request = c.site.request;
+  std::string where;
+  if (shape.paged) {
+    const int32_t page = b.page_indices[b.page_indptr[request] + key / shape.page_size];
+    where = "page " + std::to_string(page) + ", token " + std::to_string(key % shape.page_size);
+  } else {
+    where = "row " + std::to_string(b.kv_indptr[request] + key);
+  }
+  return where + " (request " + std::to_string(request) + ", key " + std::to_string(key) +
+         "), head " + std::to_string(c.site.kv_head) + ", dim " + std::to_string(c.site.dim);
+}
+
+std::string checked_message(const NonfiniteCase& c) {
+  const AttentionCase& shape = c.poisoned.test_case;
+  const AttentionOp op = op_of(shape);
+  const std::string prefix =
+      std::string("tessera::") +
+      (op == AttentionOp::kDecode
+           ? "run_decode"
+           : (op == AttentionOp::kPagedPrefill ? "run_paged_prefill" : "run_ragged_prefill")) +
+      ": ";
+  const std::string k = shape.paged ? "'k_cache'" : "'k'", v = shape.paged ? "'v_cache'" : "'v'";
+  switch (c.poison) {
+    case Poison::kQNaN:
+    case Poison::kQPosInf:
+    case Poison::kQNegInf: {
+      const int32_t token = c.poisoned.qo_indptr[c.site.request] + c.site.token;
+      const char* value =
+          c.poison == Poison::kQNaN ? "nan" : (c.poison == Poison::kQPosInf ? "inf" : "-inf");
+      return prefix + "'q': non-finite value " + value + " at token " + std::to_string(token) +
+             " (request " + std::to_string(c.site.request) + ", query " +
+             std::to_string(c.site.token) + "), head " + std::to_string(c.site.qo_head) +
+             ", dim " + std::to_string(c.site.dim);
+    }
+    case Poison::kKNaN:
+      return prefix + k + ": non-finite value nan at " + checked_key_where(c);
+    case Poison::kKPosInf:
+      return prefix + k + ": non-finite value inf at " + checked_key_where(c);
+    case Poison::kKNegInfKey:
+    case Poison::kVInfZeroWeight:
+      return prefix + k + ": non-finite value -inf at " + checked_key_where(c);
+    case Poison::kVNaN:
+      return prefix + v + ": non-finite value nan at " + checked_key_where(c);
+    case Poison::kVInf:
+      return prefix + v + ": non-finite value inf at " + checked_key_where(c);
+    case Poison::kAllScoresNegInf:  // every key: the first one the rows see
+      break;
+  }
+  return "";
+}
+
+// ---- merges ----
+
+MergeStateCase merge_state_case() {
+  const std::vector<std::array<float, 3>> rows = {  // lse_a, lse_b, o_a[..][3] (0: as drawn)
+      {kNaN, 0.5f, 0},  {0.5f, kNaN, 0},  {kNaN, -kInf, 0}, {-kInf, -kInf, 0},
+      {kInf, 0.5f, 0},  {0.2f, 0.7f, kNaN}, {0.2f, 0.7f, kInf}, {0.3f, -kInf, 0}};
+  MergeStateCase m;
+  m.n = static_cast<int64_t>(rows.size());
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  m.o_a.resize(m.n * m.h * m.d);
+  m.o_b.resize(m.n * m.h * m.d);
+  for (float& x : m.o_a) x = value(rng);
+  for (float& x : m.o_b) x = value(rng);
+  for (int64_t r = 0; r < m.n; ++r) {
+    for (int64_t j = 0; j < m.h; ++j) {
+      m.lse_a.push_back(rows[r][0]);
+      m.lse_b.push_back(rows[r][1]);
+      if (rows[r][2] != 0.0f) m.o_a[(r * m.h + j) * m.d + 3] = rows[r][2];
+      if (rows[r][0] == -kInf) m.o_a[(r * m.h + j) * m.d + 5] = kNaN;  // empty: never read
+      if (rows[r][1] == -kInf) m.o_b[(r * m.h + j) * m.d + 5] = kNaN;
+    }
+  }
+  return m;
+}
+
+std::string check_merge_state(const MergeStateCase& m, const std::vector<float>& o,
+                              const std::vector<float>& lse) {
+  std::ostringstream why;
+  for (int64_t j = 0; j < m.h; ++j) {
+    auto at = [&](int64_t r, int64_t f) { return o[(r * m.h + j) * m.d + f]; };
+    auto lse_at = [&](int64_t r) { return lse[r * m.h + j]; };
+    for (int64_t r : {0, 1, 2, 4}) {  // a NaN (or +inf) state: the row is NaN
+      if (!std::isnan(lse_at(r))) why << " row " << r << " lse " << lse_at(r) << ";";
+      for (int64_t f = 0; f < m.d; ++f) {
+        if (!std::isnan(at(r, f))) why << " row " << r << " o[" << f << "] " << at(r, f) << ";";
+      }
+    }
+    if (lse_at(3) != -kInf) why << " row 3 lse " << lse_at(3) << ";";
+    for (int64_t f = 0; f < m.d; ++f) {
+      if (at(3, f) != 0.0f) why << " row 3 o[" << f << "] " << at(3, f) << ";";
+    }
+    for (int64_t r : {5, 6}) {  // NaN / inf in one feature of a finite state
+      if (!std::isfinite(lse_at(r))) why << " row " << r << " lse " << lse_at(r) << ";";
+      for (int64_t f = 0; f < m.d; ++f) {
+        const bool ok = f != 3 ? std::isfinite(at(r, f))
+                               : (r == 5 ? std::isnan(at(r, f)) : at(r, f) == kInf);
+        if (!ok) why << " row " << r << " o[" << f << "] " << at(r, f) << ";";
+      }
+    }
+    if (lse_at(7) != 0.3f) why << " row 7 lse " << lse_at(7) << ";";
+    for (int64_t f = 0; f < m.d; ++f) {
+      const float expected = m.o_a[(7 * m.h + j) * m.d + f];
+      if (std::fabs(at(7, f) - expected) > 1e-6f) why << " row 7 o[" << f << "] " << at(7, f) << ";";
+    }
+  }
+  return why.str();
+}
+
+MergeStatesCase merge_states_case() {
+  MergeStatesCase m;
+  m.indptr = {0, 2, 5, 7, 9, 11, 14};
+  m.lse = {kNaN, kNaN, 0.1f, kNaN, 0.4f, kNaN, -kInf, -kInf, -kInf, kInf, 0.2f, 0.5f, -kInf, 0.25f};
+  m.states.assign(m.lse.size() * m.h * m.d, 0.5f);
+  for (size_t s = 0; s < m.lse.size(); ++s) {
+    if (m.lse[s] == -kInf) m.states[s * m.d + 1] = kNaN;  // an empty state's o: never read
+  }
+  return m;
+}
+
+std::string check_merge_states(const MergeStatesCase& m, const std::vector<float>& o,
+                               const std::vector<float>& lse) {
+  std::ostringstream why;
+  const int64_t d = m.d;
+  for (int64_t r : {0, 1, 2, 4}) {
+    if (!std::isnan(lse[r])) why << " row " << r << " lse " << lse[r] << ";";
+    for (int64_t f = 0; f < d; ++f) {
+      if (!std::isnan(o[r * d + f])) why << " row " << r << " o[" << f << "] " << o[r * d + f] << ";";
+    }
+  }
+  if (lse[3] != -kInf) why << " row 3 lse " << lse[3] << ";";
+  for (int64_t f = 0; f < d; ++f) {
+    if (o[3 * d + f] != 0.0f) why << " row 3 o[" << f << "] " << o[3 * d + f] << ";";
+  }
+  const double expected = 0.5 + std::log(1.0 + std::exp(0.25 - 0.5));
+  if (std::fabs(lse[5] - expected) > 1e-5) why << " row 5 lse " << lse[5] << ";";
+  for (int64_t f = 0; f < d; ++f) {
+    if (std::fabs(o[5 * d + f] - 0.5f) > 1e-5f) why << " row 5 o[" << f << "] " << o[5 * d + f] << ";";
+  }
+  return why.str();
 }
 
 }  // namespace tessera::test

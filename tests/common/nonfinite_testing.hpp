@@ -110,4 +110,41 @@ std::string check_nonfinite(const NonfiniteCase& c, const Outputs& actual,
                             const Outputs* clean_run, const NonfiniteReference& reference,
                             double tolerance, double lse_tolerance);
 
+// ---- checked mode (set_index_checking): the text naming the site's bad element ----
+
+// "tessera::<op>: 'q': non-finite value nan at token 24 (request 1, query 20), head 7, dim 61"
+// for a q poison, or the same for k / v ('k' / 'v' ragged, 'k_cache' / 'v_cache' paged) with
+// "at row R (request b, key j)" / "at page P, token T (request b, key j)". op: run_decode,
+// run_paged_prefill or run_ragged_prefill. The q / k / v the case poisons, with its value.
+std::string checked_message(const NonfiniteCase& c);
+// "page P, token T (request b, key j), head h, dim d" (paged) or "row R (...)" (ragged) of the
+// site's key, kv head and dim.
+std::string checked_key_where(const NonfiniteCase& c);
+
+// ---- merge_state / merge_states with NaN, +inf and empty partials ----
+
+// merge_state rows (a, b): NaN + finite, finite + NaN, NaN + empty, empty + empty, +inf +
+// finite, a finite a whose o holds NaN / inf in feature 3 (two rows), finite + empty. Empty
+// states' o hold NaN (never read). float32, [n, h, d].
+struct MergeStateCase {
+  int64_t n = 0, h = 2, d = 8;
+  std::vector<float> o_a, lse_a, o_b, lse_b;
+};
+MergeStateCase merge_state_case();
+// "" when (o, lse) of merge_state(case) are as the definition says, else what is not.
+std::string check_merge_state(const MergeStateCase& m, const std::vector<float>& o,
+                              const std::vector<float>& lse);
+
+// merge_states rows: all-NaN states, NaN among finite ones, NaN + empty, all empty, +inf +
+// finite, finite + empty + finite. float32 states [S, h, d], lse [S, h], indptr [rows + 1].
+struct MergeStatesCase {
+  int64_t h = 1, d = 4;
+  std::vector<int32_t> indptr;
+  std::vector<float> states, lse;
+  int64_t rows() const { return static_cast<int64_t>(indptr.size()) - 1; }
+};
+MergeStatesCase merge_states_case();
+std::string check_merge_states(const MergeStatesCase& m, const std::vector<float>& o,
+                               const std::vector<float>& lse);
+
 }  // namespace tessera::test
