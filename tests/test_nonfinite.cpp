@@ -288,7 +288,8 @@ TEST(NonfiniteChecked, FirstInTheOrderOfRequestsKeysHeadsDims) {
   detail::store_from_float(c.poisoned.k.data(), c.poisoned.test_case.kv_dtype,
                            problem.kv.k_offset(c.site.request, 0, later_key) + 1, kInf);
   const std::string error = checked_run(c.poisoned);
-  EXPECT_NE(error.find("'k_cache': non-finite value nan at " + test::checked_key_where(c)), std::string::npos)
+  EXPECT_NE(error.find("'k_cache': non-finite value nan at " + test::checked_key_where(c)),
+            std::string::npos)
       << error;
 }
 
@@ -322,8 +323,7 @@ TEST(NonfiniteChecked, IgnoresWhatTheCallDoesNotRead) {
   EXPECT_TRUE(result.ok(test::default_tolerance(ac), test::default_lse_tolerance(ac)))
       << result.describe();
   // Key 45 is the first one a row sees.
-  detail::store_from_float(buffers.k.data(), ac.kv_dtype, problem.kv.k_offset(1, 1, 45) + 2,
-                           -kInf);
+  detail::store_from_float(buffers.k.data(), ac.kv_dtype, problem.kv.k_offset(1, 1, 45) + 2, -kInf);
   EXPECT_NE(checked_run(buffers).find("(request 1, key 45), head 1, dim 2"), std::string::npos);
 }
 

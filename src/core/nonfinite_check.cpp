@@ -177,9 +177,8 @@ void check_tensor(const ArgChecker& check, const CallIndex& call, const ScannedT
   } else {
     gpu->copy_to_host(bytes, at, element, call.stream);
   }
-  check.fail(tensor.name, "non-finite value " +
-                              value_text(load_as_float(bytes, tensor.dtype, 0)) + " at " +
-                              row_text(call, query, rows.request[r], rows.position[r]) +
+  check.fail(tensor.name, "non-finite value " + value_text(load_as_float(bytes, tensor.dtype, 0)) +
+                              " at " + row_text(call, query, rows.request[r], rows.position[r]) +
                               ", head " + std::to_string(head) + ", dim " + std::to_string(dim) +
                               " (checked mode: TESSERA_CHECK / set_index_checking)");
 }
@@ -197,8 +196,8 @@ int64_t first_nonfinite_host(const void* data, DType dtype, std::span<const int6
   }
 }
 
-void check_finite_inputs(const ArgChecker& check, const Plan& plan,
-                         const AttentionProblem& problem, void* stream) {
+void check_finite_inputs(const ArgChecker& check, const Plan& plan, const AttentionProblem& problem,
+                         void* stream) {
   const KVSource& kv = problem.kv;
   CallIndex call{plan, problem, std::vector<int64_t>(plan.batch_size + 1, 0), nullptr, stream};
   std::vector<int32_t> pages_copy;

@@ -44,7 +44,7 @@ int64_t first_nonfinite_host(const void* data, DType dtype, std::span<const int6
 // not change the result. `plan` and `problem` are validated; for device tensors the index arrays
 // were checked against the plan (checked mode), so request starts follow from the plan's lengths
 // and only page_indices is read (copied to the host, synchronising `stream`).
-void check_finite_inputs(const ArgChecker& check, const Plan& plan,
-                         const AttentionProblem& problem, void* stream);
+void check_finite_inputs(const ArgChecker& check, const Plan& plan, const AttentionProblem& problem,
+                         void* stream);
 
 }  // namespace tessera::detail

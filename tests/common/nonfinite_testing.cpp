@@ -146,8 +146,8 @@ void put_bad_value(const AttentionCase& c, const PoisonSite& site, Poison poison
 }
 
 // What row (request b, token i, query head h) must hold, from the definition.
-RowExpectation expect_row(const AttentionCase& c, const PoisonSite& site, Poison poison,
-                          int32_t b, int32_t i, int32_t h) {
+RowExpectation expect_row(const AttentionCase& c, const PoisonSite& site, Poison poison, int32_t b,
+                          int32_t i, int32_t h) {
   RowExpectation e;
   int32_t first = 0, last = 0;
   c.mask().visible_range(i, c.q_lens[b], c.kv_lens[b], &first, &last);
@@ -226,8 +226,7 @@ std::string NonfiniteCase::describe() const {
        << site.empty_token << "); rows NaN " << count(RowKind::kNaN) << ", empty "
        << count(RowKind::kEmpty) << ", feature " << count(RowKind::kFeature) << ", changed "
        << count(RowKind::kChanged) << ", clean " << count(RowKind::kClean) << " (touched "
-       << touched << "); "
-       << clean.test_case.describe();
+       << touched << "); " << clean.test_case.describe();
   return text.str();
 }
 
@@ -354,7 +353,8 @@ std::string check_row(const NonfiniteCase& c, const RowExpectation& e, const Row
     }
     return "";
   }
-  if (e.kind == RowKind::kClean && clean_run != nullptr && !actual.same_bits(*clean_run, token, h)) {
+  if (e.kind == RowKind::kClean && clean_run != nullptr &&
+      !actual.same_bits(*clean_run, token, h)) {
     return "differs from the run without the bad value";
   }
   const bool versus_poisoned = e.kind == RowKind::kChanged || e.versus_poisoned;
@@ -386,9 +386,9 @@ std::string check_row(const NonfiniteCase& c, const RowExpectation& e, const Row
 
 }  // namespace
 
-std::string check_nonfinite(const NonfiniteCase& c, const Outputs& actual,
-                            const Outputs* clean_run, const NonfiniteReference& reference,
-                            double tolerance, double lse_tolerance) {
+std::string check_nonfinite(const NonfiniteCase& c, const Outputs& actual, const Outputs* clean_run,
+                            const NonfiniteReference& reference, double tolerance,
+                            double lse_tolerance) {
   const AttentionCase& shape = c.poisoned.test_case;
   const RowView out{c.poisoned, actual};
   const RowView clean_ref{c.clean, reference.clean};
@@ -453,20 +453,16 @@ std::string checked_message(const NonfiniteCase& c) {
           c.poison == Poison::kQNaN ? "nan" : (c.poison == Poison::kQPosInf ? "inf" : "-inf");
       return prefix + "'q': non-finite value " + value + " at token " + std::to_string(token) +
              " (request " + std::to_string(c.site.request) + ", query " +
-             std::to_string(c.site.token) + "), head " + std::to_string(c.site.qo_head) +
-             ", dim " + std::to_string(c.site.dim);
+             std::to_string(c.site.token) + "), head " + std::to_string(c.site.qo_head) + ", dim " +
+             std::to_string(c.site.dim);
     }
-    case Poison::kKNaN:
-      return prefix + k + ": non-finite value nan at " + checked_key_where(c);
-    case Poison::kKPosInf:
-      return prefix + k + ": non-finite value inf at " + checked_key_where(c);
+    case Poison::kKNaN: return prefix + k + ": non-finite value nan at " + checked_key_where(c);
+    case Poison::kKPosInf: return prefix + k + ": non-finite value inf at " + checked_key_where(c);
     case Poison::kKNegInfKey:
     case Poison::kVInfZeroWeight:
       return prefix + k + ": non-finite value -inf at " + checked_key_where(c);
-    case Poison::kVNaN:
-      return prefix + v + ": non-finite value nan at " + checked_key_where(c);
-    case Poison::kVInf:
-      return prefix + v + ": non-finite value inf at " + checked_key_where(c);
+    case Poison::kVNaN: return prefix + v + ": non-finite value nan at " + checked_key_where(c);
+    case Poison::kVInf: return prefix + v + ": non-finite value inf at " + checked_key_where(c);
     case Poison::kAllScoresNegInf:  // every key: the first one the rows see
       break;
   }
@@ -476,9 +472,10 @@ std::string checked_message(const NonfiniteCase& c) {
 // ---- merges ----
 
 MergeStateCase merge_state_case() {
-  const std::vector<std::array<float, 3>> rows = {  // lse_a, lse_b, o_a[..][3] (0: as drawn)
-      {kNaN, 0.5f, 0},  {0.5f, kNaN, 0},  {kNaN, -kInf, 0}, {-kInf, -kInf, 0},
-      {kInf, 0.5f, 0},  {0.2f, 0.7f, kNaN}, {0.2f, 0.7f, kInf}, {0.3f, -kInf, 0}};
+  const std::vector<std::array<float, 3>> rows = {
+      // lse_a, lse_b, o_a[..][3] (0: as drawn)
+      {kNaN, 0.5f, 0}, {0.5f, kNaN, 0},    {kNaN, -kInf, 0},   {-kInf, -kInf, 0},
+      {kInf, 0.5f, 0}, {0.2f, 0.7f, kNaN}, {0.2f, 0.7f, kInf}, {0.3f, -kInf, 0}};
   MergeStateCase m;
   m.n = static_cast<int64_t>(rows.size());
   std::mt19937_64 rng(5);
@@ -518,15 +515,16 @@ std::string check_merge_state(const MergeStateCase& m, const std::vector<float>&
     for (int64_t r : {5, 6}) {  // NaN / inf in one feature of a finite state
       if (!std::isfinite(lse_at(r))) why << " row " << r << " lse " << lse_at(r) << ";";
       for (int64_t f = 0; f < m.d; ++f) {
-        const bool ok = f != 3 ? std::isfinite(at(r, f))
-                               : (r == 5 ? std::isnan(at(r, f)) : at(r, f) == kInf);
+        const bool ok =
+            f != 3 ? std::isfinite(at(r, f)) : (r == 5 ? std::isnan(at(r, f)) : at(r, f) == kInf);
         if (!ok) why << " row " << r << " o[" << f << "] " << at(r, f) << ";";
       }
     }
     if (lse_at(7) != 0.3f) why << " row 7 lse " << lse_at(7) << ";";
     for (int64_t f = 0; f < m.d; ++f) {
       const float expected = m.o_a[(7 * m.h + j) * m.d + f];
-      if (std::fabs(at(7, f) - expected) > 1e-6f) why << " row 7 o[" << f << "] " << at(7, f) << ";";
+      if (std::fabs(at(7, f) - expected) > 1e-6f)
+        why << " row 7 o[" << f << "] " << at(7, f) << ";";
     }
   }
   return why.str();
@@ -550,7 +548,8 @@ std::string check_merge_states(const MergeStatesCase& m, const std::vector<float
   for (int64_t r : {0, 1, 2, 4}) {
     if (!std::isnan(lse[r])) why << " row " << r << " lse " << lse[r] << ";";
     for (int64_t f = 0; f < d; ++f) {
-      if (!std::isnan(o[r * d + f])) why << " row " << r << " o[" << f << "] " << o[r * d + f] << ";";
+      if (!std::isnan(o[r * d + f]))
+        why << " row " << r << " o[" << f << "] " << o[r * d + f] << ";";
     }
   }
   if (lse[3] != -kInf) why << " row 3 lse " << lse[3] << ";";
@@ -560,7 +559,8 @@ std::string check_merge_states(const MergeStatesCase& m, const std::vector<float
   const double expected = 0.5 + std::log(1.0 + std::exp(0.25 - 0.5));
   if (std::fabs(lse[5] - expected) > 1e-5) why << " row 5 lse " << lse[5] << ";";
   for (int64_t f = 0; f < d; ++f) {
-    if (std::fabs(o[5 * d + f] - 0.5f) > 1e-5f) why << " row 5 o[" << f << "] " << o[5 * d + f] << ";";
+    if (std::fabs(o[5 * d + f] - 0.5f) > 1e-5f)
+      why << " row 5 o[" << f << "] " << o[5 * d + f] << ";";
   }
   return why.str();
 }

@@ -43,9 +43,9 @@ enum class Poison : int32_t {
   kVInfZeroWeight,   // +inf in v of a key whose score is -inf: 0 * inf, that feature NaN
 };
 inline constexpr Poison kAllPoisons[] = {
-    Poison::kQNaN,          Poison::kQPosInf,         Poison::kQNegInf, Poison::kKNaN,
-    Poison::kKPosInf,       Poison::kKNegInfKey,      Poison::kAllScoresNegInf,
-    Poison::kVNaN,          Poison::kVInf,            Poison::kVInfZeroWeight};
+    Poison::kQNaN,    Poison::kQPosInf,       Poison::kQNegInf,         Poison::kKNaN,
+    Poison::kKPosInf, Poison::kKNegInfKey,    Poison::kAllScoresNegInf, Poison::kVNaN,
+    Poison::kVInf,    Poison::kVInfZeroWeight};
 const char* poison_name(Poison poison);
 
 // Where the bad value goes: request, query token (0-based in the request) and query head for
@@ -66,10 +66,10 @@ struct RowExpectation {
 struct NonfiniteCase {
   Poison poison = Poison::kQNaN;
   PoisonSite site;
-  AttentionBuffers clean;     // the inputs without the bad value (signs forced alike)
-  AttentionBuffers poisoned;  // the same with it
+  AttentionBuffers clean;            // the inputs without the bad value (signs forced alike)
+  AttentionBuffers poisoned;         // the same with it
   std::vector<RowExpectation> rows;  // [total_q x num_qo_heads], token-major
-  int64_t touched = 0;  // rows that see a key and are not kClean
+  int64_t touched = 0;               // rows that see a key and are not kClean
 
   int64_t count(RowKind kind) const;
   std::string describe() const;
@@ -106,9 +106,9 @@ NonfiniteReference nonfinite_reference(NonfiniteCase& c);
 // `clean_run` being the same implementation's outputs on c.clean (kClean rows must match it bit
 // for bit; pass nullptr to skip that); else what failed, a few rows at most. tolerance: relative
 // L2 over every compared feature; lse_tolerance: absolute, per row.
-std::string check_nonfinite(const NonfiniteCase& c, const Outputs& actual,
-                            const Outputs* clean_run, const NonfiniteReference& reference,
-                            double tolerance, double lse_tolerance);
+std::string check_nonfinite(const NonfiniteCase& c, const Outputs& actual, const Outputs* clean_run,
+                            const NonfiniteReference& reference, double tolerance,
+                            double lse_tolerance);
 
 // ---- checked mode (set_index_checking): the text naming the site's bad element ----
 

@@ -75,9 +75,9 @@ class ScanBuffer {
 
 }  // namespace
 
-int64_t cuda_first_nonfinite(int device, const void* data, DType dtype,
-                             const int64_t* row_offsets, int64_t rows, int32_t heads,
-                             int64_t head_stride, int32_t head_dim, void* stream) {
+int64_t cuda_first_nonfinite(int device, const void* data, DType dtype, const int64_t* row_offsets,
+                             int64_t rows, int32_t heads, int64_t head_stride, int32_t head_dim,
+                             void* stream) {
   const uint32_t mask = nonfinite_bits(dtype);
   if (rows <= 0 || heads <= 0 || head_dim <= 0 || mask == 0) return -1;
   const CudaDeviceGuard guard(device);
@@ -87,9 +87,9 @@ int64_t cuda_first_nonfinite(int device, const void* data, DType dtype,
   const ScanBuffer buffer(sizeof(unsigned long long) + offsets_bytes);
   auto* first = static_cast<unsigned long long*>(buffer.data());
   auto* offsets = reinterpret_cast<int64_t*>(first + 1);
-  check_cuda(cudaMemcpyAsync(offsets, row_offsets, offsets_bytes, cudaMemcpyHostToDevice,
-                             cuda_stream),
-             "checked mode: copy of the scanned row offsets");
+  check_cuda(
+      cudaMemcpyAsync(offsets, row_offsets, offsets_bytes, cudaMemcpyHostToDevice, cuda_stream),
+      "checked mode: copy of the scanned row offsets");
   check_cuda(cudaMemsetAsync(first, 0xff, sizeof(unsigned long long), cuda_stream),
              "checked mode: clear of the scan result");
 
@@ -104,15 +104,9 @@ int64_t cuda_first_nonfinite(int device, const void* data, DType dtype,
   params.first = first;
   const dim3 grid(static_cast<unsigned>(std::min(rows, kMaxScanBlocks))), block(kScanThreads);
   switch (dtype_size(dtype)) {
-    case 4:
-      first_nonfinite_kernel<uint32_t><<<grid, block, 0, cuda_stream>>>(params);
-      break;
-    case 2:
-      first_nonfinite_kernel<uint16_t><<<grid, block, 0, cuda_stream>>>(params);
-      break;
-    default:
-      first_nonfinite_kernel<uint8_t><<<grid, block, 0, cuda_stream>>>(params);
-      break;
+    case 4: first_nonfinite_kernel<uint32_t><<<grid, block, 0, cuda_stream>>>(params); break;
+    case 2: first_nonfinite_kernel<uint16_t><<<grid, block, 0, cuda_stream>>>(params); break;
+    default: first_nonfinite_kernel<uint8_t><<<grid, block, 0, cuda_stream>>>(params); break;
   }
   check_kernel_launch("first_nonfinite_kernel", grid, block, 0);
   unsigned long long result = kNone;
