@@ -137,7 +137,7 @@ KernelChoice select_prefill(const Plan& plan, const CudaDeviceInfo& info) {
       choice.options = settings().sm90_gather_kv ? sm90::kSm90GatherKV : 0u;
       choice.reason = row_text(*row) + ": " + why +
                       (choice.options != 0 ? "; every K/V tile gathered (TESSERA_SM90_KV)" : "") +
-                      ". At run time fp8 K/V or a q TMA cannot describe take the sm80 row";
+                      "; at run time fp8 K/V or a q TMA cannot describe take the sm80 row";
       return choice;
     }
     reason = "the sm90 tile needs more shared memory than the device allows";
@@ -209,7 +209,7 @@ KernelChoice select_decode(const Plan& plan, const CudaDeviceInfo& info) {
                    " keys, from " +
                    knob_source(tuning.min_kv_chunk_source, "TESSERA_DECODE_MIN_CHUNK", info,
                                plan.head_dim, group) +
-                   ". At run time fp8 K/V and K/V views not 16-byte aligned take the CUDA-core "
+                   "; at run time fp8 K/V and K/V views not 16-byte aligned take the CUDA-core "
                    "row; fp16 K/V take the fp16 entry's variant when it keeps the planned CTAs "
                    "per SM";
   return choice;

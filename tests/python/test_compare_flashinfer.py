@@ -256,9 +256,9 @@ def run_cpu(tmp_path, monkeypatch, torch, fi, extra=()):
     monkeypatch.setitem(sys.modules, "flashinfer", fi)
     monkeypatch.setitem(sys.modules, "flashinfer.jit", fi.jit)
     monkeypatch.setitem(sys.modules, "flashinfer.jit.page", fi.jit.page)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "CPU stand-in")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args, **kwargs: "CPU stand-in")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0))
     compare = load_compare()
     monkeypatch.setattr(compare, "DEVICE", "cpu")
     sdpa_calls = []
