@@ -14,7 +14,9 @@
 // device, and checked mode on device tensors (src/cuda/ops/nonfinite.cu).
 //
 // Without a CUDA device every test skips (exit 77 under ctest). TESSERA_TEST_REDUCED=1 shrinks
-// the matrix (compute-sanitizer runs); TESSERA_TEST_SEED varies the random inputs.
+// the matrix; CudaNonfiniteSanitizer.* is a few small cases (and the checked-mode scan kernel) for
+//   compute-sanitizer --tool memcheck test_cuda_nonfinite --gtest_filter='*Sanitizer*'
+// TESSERA_TEST_SEED varies the random inputs.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -106,7 +108,7 @@ struct PointChecks {
 // One point: the public plan, the sm80 prefill on Hopper, a hand-made split plan.
 void check_point(const NonfiniteShape& shape, Poison poison, uint64_t seed,
                  const PointChecks& checks = {}) {
-  std::mt19937_64 rng(test::seed_from_env(seed));
+  std::mt19937_64 rng(seed + test::seed_from_env(0));  // TESSERA_TEST_SEED shifts every point
   NonfiniteCase c = test::make_nonfinite_case(test::nonfinite_shape(shape), poison, rng);
   SCOPED_TRACE(shape.describe() + ": " + c.describe());
   ASSERT_GT(c.touched, 0) << "the bad value touches no row";
@@ -411,6 +413,32 @@ TEST(CudaNonfiniteChecked, Fp8CacheNaNAndInf) {
         << error;
     EXPECT_NE(error.find("(request 1, key 33), head 1, dim 5"), std::string::npos) << error;
   }
+}
+
+// ---- a few small cases for compute-sanitizer (tools/gpu-check.sh runs *Sanitizer*) ----
+
+TEST(CudaNonfiniteSanitizer, FewPointsAndTheCheckedScan) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  NonfiniteShape decode;
+  decode.decode = true;
+  decode.page_size = 16;
+  decode.causal = true;
+  decode.group_size = 4;
+  decode.head_dim = 128;
+  decode.dtype = DType::kBFloat16;
+  decode.q_per_request = 2;
+  NonfiniteShape prefill;
+  prefill.causal = true;
+  prefill.group_size = 8;
+  prefill.head_dim = 64;
+  for (Poison poison : {Poison::kQNaN, Poison::kKNaN, Poison::kVInfZeroWeight}) {
+    check_point(decode, poison, 9900 + static_cast<uint64_t>(poison));
+    check_point(prefill, poison, 9950 + static_cast<uint64_t>(poison));
+  }
+  std::mt19937_64 rng(99);
+  NonfiniteCase c = test::make_nonfinite_case(test::nonfinite_shape(decode), Poison::kVNaN, rng);
+  EXPECT_EQ(checked_run(c.clean), "");
+  EXPECT_EQ(checked_run(c.poisoned).rfind(test::checked_message(c), 0), 0u);
 }
 
 #else  // !TESSERA_HAVE_CUDA
