@@ -128,6 +128,11 @@ struct AttentionProblem {
   int64_t o_extent = 0;  // rows of the o tensor
   float* lse = nullptr;  // optional, [total_q, num_qo_heads] with lse_stride_token
   int64_t lse_stride_token = 0;
+  // Optional attention sinks, float32 [num_qo_heads] (gpt-oss, FA4's learnable_sink): one logit
+  // per query head, in the units of the scaled (and soft-capped) scores, that joins every row's
+  // softmax denominator and has no value row. Folded in where a row is finished (never into a
+  // split-KV partial: the merge folds it once).
+  const float* sinks = nullptr;
 
   float sm_scale = 0.0f;  // resolved (never 0)
   float soft_cap = 0.0f;  // 0: off

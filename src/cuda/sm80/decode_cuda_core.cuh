@@ -199,7 +199,6 @@ __device__ __forceinline__ void merge_and_store(const DecodeArgs& args, const De
 
   const int32_t rows_in_pass = min(groups * kRows, item.rows - first_group * kRows);
   const int32_t quads = args.problem.head_dim / 4;
-  constexpr float kLn2 = std::numbers::ln2_v<float>;
   for (int32_t task = threadIdx.x; task < rows_in_pass * quads; task += Traits::kNumThreads) {
     const int32_t local_row = task / quads;
     const int32_t quad = task - local_row * quads;
@@ -223,13 +222,13 @@ __device__ __forceinline__ void merge_and_store(const DecodeArgs& args, const De
         accumulator.w += weight * part.w;
       }
     }
-    const float scale = total != 0.0f ? args.output_scale / total : 0.0f;  // NaN: NaN
-    accumulator.x *= scale;
-    accumulator.y *= scale;
-    accumulator.z *= scale;
-    accumulator.w *= scale;
-    const float lse = total != 0.0f ? (best + __log2f(total)) * kLn2 : -INFINITY;
-    store_output_quad<kQDType>(args, item, first_group * kRows + local_row, quad, accumulator, lse);
+    const int32_t row = first_group * kRows + local_row;
+    const RowFinish finish = finish_decode_row(args, item, row, best, total);
+    accumulator.x *= finish.factor;
+    accumulator.y *= finish.factor;
+    accumulator.z *= finish.factor;
+    accumulator.w *= finish.factor;
+    store_output_quad<kQDType>(args, item, row, quad, accumulator, finish.lse);
   }
   __syncthreads();  // shared memory is reused by the next pass / item
 }

@@ -35,6 +35,7 @@
 #include "cuda/ptx/math.cuh"
 #include "cuda/ptx/shared_memory.cuh"
 #include "cuda/ptx/shuffle.cuh"
+#include "cuda/row_finish.cuh"
 #include "cuda/sm80/decode_dequant.cuh"
 #include "cuda/sm80/decode_traits.cuh"
 
@@ -248,6 +249,22 @@ __device__ __forceinline__ void stream_key_tiles(const DecodeArgs& args, const D
 
 // Writes packed row `row` of the item, features [4 quad, 4 quad + 4): o (q dtype) and lse at
 // the problem's strides, or a float partial for a split-KV piece.
+// Query head of packed row `row` of the item (token t = row / group, head t * group + g).
+__device__ __forceinline__ int32_t decode_row_head(const DecodeItem& item, int32_t row) {
+  return item.work.kv_head * item.group + row % item.group;
+}
+
+// The row's o factor and lse from its base-2 max and sum (row_finish.cuh), with its sink when
+// the call has sinks and the item writes o (a split piece's partial leaves the sink to the merge).
+__device__ __forceinline__ RowFinish finish_decode_row(const DecodeArgs& args,
+                                                       const DecodeItem& item, int32_t row,
+                                                       float best, float total) {
+  RowFinish finish = finish_row(best, total, args.problem.sinks, decode_row_head(item, row),
+                                item.work.partial_row < 0);
+  finish.factor *= args.output_scale;
+  return finish;
+}
+
 template <DType kQDType>
 __device__ __forceinline__ void store_output_quad(const DecodeArgs& args, const DecodeItem& item,
                                                   int32_t row, int32_t quad, float4 value,

@@ -336,7 +336,6 @@ __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, cons
 
   const int32_t rows = min(item.rows, Traits::kMaxRows);
   const int32_t quads = args.problem.head_dim / 4;
-  constexpr float kLn2 = std::numbers::ln2_v<float>;
   for (int32_t task = threadIdx.x; task < rows * quads; task += Traits::kNumThreads) {
     const int32_t row = task / quads;
     const int32_t quad = task - row * quads;
@@ -361,13 +360,12 @@ __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, cons
         accumulator.w += weight * part.w;
       }
     }
-    const float scale = total != 0.0f ? args.output_scale / total : 0.0f;  // NaN: NaN
-    accumulator.x *= scale;
-    accumulator.y *= scale;
-    accumulator.z *= scale;
-    accumulator.w *= scale;
-    const float lse = total != 0.0f ? (best + __log2f(total)) * kLn2 : -INFINITY;
-    store_output_quad<kDType>(args, item, row, quad, accumulator, lse);
+    const RowFinish finish = finish_decode_row(args, item, row, best, total);
+    accumulator.x *= finish.factor;
+    accumulator.y *= finish.factor;
+    accumulator.z *= finish.factor;
+    accumulator.w *= finish.factor;
+    store_output_quad<kDType>(args, item, row, quad, accumulator, finish.lse);
   }
   __syncthreads();  // shared memory is reused by the next item
 }

@@ -13,9 +13,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <numbers>
 
 #include "core/problem.hpp"
 #include "cuda/ptx/math.cuh"
+#include "cuda/row_finish.cuh"
 #include "cuda/sm80/element_ops.cuh"
 #include "tessera/attention.hpp"
 
@@ -103,8 +105,12 @@ __device__ __forceinline__ void merge_partial_row(const AttentionProblem& proble
     }
   }
   // weight_sum >= 1 whenever max_lse is finite (the max split has weight 1); a NaN split lse
-  // makes max_lse (max_nan), every weight and the row NaN.
-  const float inverse = weight_sum != 0.0f ? 1.0f / weight_sum : 0.0f;
+  // makes max_lse (max_nan), every weight and the row NaN. The weights are 2^((lse - max_lse)
+  // log2 e), so max_lse log2 e is the row's base 2 exponent base (row_finish.cuh), and the
+  // row's sink (partials never hold it) joins here.
+  const RowFinish finish = finish_row(max_lse * std::numbers::log2e_v<float>, weight_sum,
+                                      problem.sinks, head, true);
+  const float inverse = finish.factor;
   uint16_t* o_row = static_cast<uint16_t*>(problem.o) + token * problem.o_stride_token +
                     head * problem.o_stride_head;
   // Decode accepts o views of any element alignment (prefill requires 16-byte rows), so the
@@ -127,8 +133,7 @@ __device__ __forceinline__ void merge_partial_row(const AttentionProblem& proble
     }
   }
   if (problem.lse != nullptr && lane == 0) {
-    problem.lse[token * problem.lse_stride_token + head] =
-        weight_sum != 0.0f ? max_lse + logf(weight_sum) : -INFINITY;
+    problem.lse[token * problem.lse_stride_token + head] = finish.lse;
   }
 }
 

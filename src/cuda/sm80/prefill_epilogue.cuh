@@ -11,6 +11,7 @@
 
 #include "core/problem.hpp"
 #include "cuda/ptx/shared_memory.cuh"
+#include "cuda/row_finish.cuh"
 #include "cuda/ptx/shuffle.cuh"
 #include "cuda/sm80/element_ops.cuh"
 #include "cuda/sm80/prefill_api.hpp"
@@ -30,27 +31,34 @@ struct PrefillWarpState {
   float row_sum[Traits::kMmaRowBlocks][2];  // this lane's part of sum 2^(s * scale - max * scale)
 };
 
-// Divides O by the row sum and returns each row's natural-log lse. A row that saw no key
-// (sum 0, max -inf) gets O = 0 and lse = -inf; a row with a NaN or +inf score (its max went NaN
-// through max_nan, so its sum is NaN) gets NaN in both.
+// Divides O by the row sum and returns each row's natural-log lse (row_finish.cuh: a row without
+// keys gets O = 0 and lse = -inf, a row with a NaN or +inf score NaN in both). sum = sum_j
+// 2^(s_j * scale - max * scale), so max * scale is the row's base 2 exponent base. With `sinks`
+// (final rows only; row_info gives each packed row's head) the row's sink joins the denominator.
 template <class Traits>
 __device__ __forceinline__ void normalise_rows(PrefillWarpState<Traits>& state, float scale,
-                                               float (&lse)[Traits::kMmaRowBlocks][2]) {
-  constexpr float kLn2 = std::numbers::ln2_v<float>;
+                                               float (&lse)[Traits::kMmaRowBlocks][2],
+                                               const float* sinks,
+                                               const PrefillRowInfo* row_info,
+                                               int warp_first_row, int lane) {
 #pragma unroll
   for (int m = 0; m < Traits::kMmaRowBlocks; ++m) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = ptx::quad_sum(state.row_sum[m][h]);
-      const bool any_key = sum != 0.0f;  // true for NaN
-      const float inverse = any_key ? 1.0f / sum : 0.0f;
-      // sum = sum_j 2^(s_j * scale - max * scale): log2(sum_j 2^(s_j * scale)) is
-      // max * scale + log2(sum); scale already contains log2(e), so times ln 2 is the lse.
-      lse[m][h] = any_key ? (state.row_max[m][h] * scale + log2f(sum)) * kLn2 : -INFINITY;
+      const float base = state.row_max[m][h] * scale;
+      RowFinish finish;
+      if (sinks != nullptr) {
+        const PrefillRowInfo info = row_info[warp_first_row + m * 16 + lane / 4 + 8 * h];
+        finish = finish_row(base, sum, sinks, info.head, info.token >= 0);
+      } else {
+        finish = finish_row(base, sum);
+      }
+      lse[m][h] = finish.lse;
 #pragma unroll
       for (int d = 0; d < Traits::kOutputCols; ++d) {
-        state.acc_o[m][d][2 * h] *= inverse;
-        state.acc_o[m][d][2 * h + 1] *= inverse;
+        state.acc_o[m][d][2 * h] *= finish.factor;
+        state.acc_o[m][d][2 * h + 1] *= finish.factor;
       }
     }
   }
@@ -66,7 +74,8 @@ __device__ __forceinline__ void store_output_tile(
   using Element = ElementOps<kDType>;
   const AttentionProblem& problem = args.problem;
   float lse[Traits::kMmaRowBlocks][2];
-  normalise_rows<Traits>(state, args.score_scale_log2, lse);
+  normalise_rows<Traits>(state, args.score_scale_log2, lse, problem.sinks, row_info,
+                         warp_first_row, lane);
   unsigned char* staging = smem + Traits::kQOffset;
   __syncwarp();  // this warp's last ldmatrix reads of its Q rows come before the overwrite
 #pragma unroll
@@ -113,7 +122,8 @@ __device__ __forceinline__ void store_partial_tile(const PrefillArgs& args, cons
                                                    PrefillWarpState<Traits>& state,
                                                    int warp_first_row, int lane) {
   float lse[Traits::kMmaRowBlocks][2];
-  normalise_rows<Traits>(state, args.score_scale_log2, lse);
+  // A partial: the merge folds the sinks in (once per row).
+  normalise_rows<Traits>(state, args.score_scale_log2, lse, nullptr, nullptr, 0, lane);
   const int32_t head_dim = args.problem.head_dim;
 #pragma unroll
   for (int m = 0; m < Traits::kMmaRowBlocks; ++m) {

@@ -32,6 +32,7 @@
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/warpgroup.cuh"
 #include "cuda/ptx/wgmma.cuh"
+#include "cuda/row_finish.cuh"
 #include "cuda/sm90/prefill_producer.cuh"
 #include "cuda/sm90/prefill_tile.cuh"
 #include "cuda/sm90/prefill_traits.cuh"
@@ -474,22 +475,28 @@ class PrefillConsumer {
     release(smem_.v_empty(previous.stage<Traits::kStages>()));
   }
 
-  // Divides O by the row sums; lse (natural log) of each row, -inf for a row that saw no key
-  // (sum 0), NaN for a row with a NaN or +inf score (sum NaN: its max went NaN, max_nan).
+  // Divides O by the row sums; lse (natural log) of each row (row_finish.cuh: -inf for a row that
+  // saw no key, NaN for a row with a NaN or +inf score). With sinks, a final row's sink joins its
+  // denominator; a split-KV partial leaves that to the merge.
   __device__ __forceinline__ void normalise(float (&o)[kOutputRegs], const Softmax& softmax,
+                                            const PrefillTile& tile, const Rows& rows,
                                             float (&lse)[2]) const {
-    constexpr float kLn2 = std::numbers::ln2_v<float>;
     const float scale = params_.args.score_scale_log2;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float sum = ptx::quad_sum(softmax.row_sum[h]);
-      const bool any_key = sum != 0.0f;  // true for NaN
-      const float inverse = any_key ? 1.0f / sum : 0.0f;
-      lse[h] = any_key ? (softmax.row_max[h] * scale + log2f(sum)) * kLn2 : -INFINITY;
+      const float base = softmax.row_max[h] * scale;
+      RowFinish finish;
+      if (problem_.sinks != nullptr && tile.partial_row < 0 && rows.row[h] < tile.rows) {
+        finish = finish_row_with_sink(base, sum, problem_.sinks[output_head(tile, rows.row[h])]);
+      } else {
+        finish = finish_row(base, sum);
+      }
+      lse[h] = finish.lse;
 #pragma unroll
       for (int j = 0; j < kOutputRegs / 4; ++j) {
-        o[4 * j + 2 * h] *= inverse;
-        o[4 * j + 2 * h + 1] *= inverse;
+        o[4 * j + 2 * h] *= finish.factor;
+        o[4 * j + 2 * h + 1] *= finish.factor;
       }
     }
   }
@@ -517,7 +524,7 @@ class PrefillConsumer {
   __device__ void store_direct(const PrefillTile& tile, const Rows& rows, float (&o)[kOutputRegs],
                                const Softmax& softmax) const {
     float lse[2];
-    normalise(o, softmax, lse);
+    normalise(o, softmax, tile, rows, lse);
     const int32_t head_dim = problem_.head_dim;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -561,7 +568,7 @@ class PrefillConsumer {
   __device__ void store_staged(const PrefillTile& tile, const Rows& rows, float (&o)[kOutputRegs],
                                const Softmax& softmax) const {
     float lse[2];
-    normalise(o, softmax, lse);
+    normalise(o, softmax, tile, rows, lse);
     // The previous tile's TMA store must have read the staging tile before it is rewritten.
     if (thread_ == 0) ptx::tma_store_wait_read();
     ptx::named_barrier_sync(kEpilogueBarrier, Traits::kConsumerThreads);
