@@ -436,6 +436,36 @@ TEST(CudaDecode, MisalignedKvViewsUseNarrowerCopies) {
   }
 }
 
+// Wide GQA groups and MQA (issue 39): items of 17..128 packed rows run on the tensor-core
+// kernel's row-tile rows (2, 4 or 8 m16 row tiles sharing each K/V stage), every ratio with 1..8
+// query tokens per request, fp16 and bf16, d64 and d128; the forced split and hand-made plans
+// of check_decode_case cover the fused merge and other item heights.
+TEST(CudaDecode, WideGroupsRunOnTensorCores) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 13);
+  int index = 0;
+  for (const int32_t group : {3, 6, 12, 16, 24, 32, 64, 128}) {
+    for (const int32_t q_tokens : {1, 2, 5, 8}) {
+      for (const int32_t head_dim : {64, 128}) {
+        if (reduced_run() && index++ % 4 != 0) continue;
+        const DType dtype = (group + q_tokens) % 2 == 0 ? DType::kBFloat16 : DType::kFloat16;
+        const int32_t kv_heads = group >= 64 ? 1 : 2;
+        AttentionCase c = decode_case({300, 1, 77, 1000}, q_tokens, group * kv_heads, kv_heads,
+                                      head_dim, dtype, dtype);
+        c.page_size = 16;
+        c.causal = q_tokens > 1;
+        SCOPED_TRACE("group " + std::to_string(group) + " q_tokens " + std::to_string(q_tokens) +
+                     " head_dim " + std::to_string(head_dim));
+        check_decode_case(c, rng);
+        EXPECT_NE(std::string(detail::cuda_last_decode_kernel()).find("decode_mma_kernel<"),
+                  std::string::npos)
+            << detail::cuda_last_decode_kernel();
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
 TEST(SanitizerCudaDecode, SmallCasesEveryPath) {
   TESSERA_SKIP_WITHOUT_GPU();
   std::mt19937_64 rng(base_seed() + 7);
@@ -451,6 +481,12 @@ TEST(SanitizerCudaDecode, SmallCasesEveryPath) {
     c.kv_head_pad = i == 5 ? 1 : 0;
     SCOPED_TRACE("sanitizer decode case " + std::to_string(i));
     check_decode_case(c, rng);
+  }  // A 32:1 and a 128:1 group: the row-tile rows of the tensor-core kernel.
+  for (const int32_t group : {32, 128}) {
+    SCOPED_TRACE("sanitizer wide group " + std::to_string(group));
+    check_decode_case(decode_case({70, 0, 33}, 2, group, 1, 128, DType::kBFloat16,
+                                  DType::kBFloat16),
+                      rng);
   }
 }
 

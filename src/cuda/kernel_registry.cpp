@@ -39,7 +39,11 @@ std::string KernelRow::label() const {
       }
       break;
     case KernelFamily::kSm80DecodeMma:
-      text.append(" variant ").append(std::to_string(shape.variant));
+      if (shape.variant > 0) {
+        text.append(" variant ").append(std::to_string(shape.variant));
+      } else {
+        text.append(" row tiles ").append(std::to_string(shape.rows / 16));
+      }
       text.append(", <= ").append(std::to_string(shape.rows)).append(" rows");
       break;
     case KernelFamily::kSm80Decode:

@@ -22,7 +22,7 @@ struct DecodeArgs;
 enum class KernelFamily : int32_t {
   kSm90Prefill,    // warp-specialised TMA + wgmma (sm_90a)
   kSm80Prefill,    // FA2-style mma.sync, every sm_80+ device
-  kSm80DecodeMma,  // decode on mma.sync: q = K/V dtype, <= 16 packed rows per item
+  kSm80DecodeMma,  // decode on mma.sync: q = K/V dtype, <= 128 packed rows per item
   kSm80Decode,     // decode on CUDA cores: every dtype pair, any alignment
 };
 const char* kernel_family_name(KernelFamily family);
@@ -43,7 +43,8 @@ struct KernelShape {
   int stages = 0;
   size_t smem_bytes = 0;
   int rows = 0;     // decode: query rows per row slot (CUDA cores) or per item (mma)
-  int variant = 0;  // sm80 prefill tile variant, or decode variant (core/tuning.hpp)
+  int variant = 0;  // sm80 prefill tile variant, or decode variant (core/tuning.hpp; 0 on the
+                    // decode mma rows of wide groups, which are not tuned)
 };
 
 // One compiled instance (a dtype pair) of a row. Exactly one launch pointer is set, by family.

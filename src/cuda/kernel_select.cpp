@@ -178,7 +178,7 @@ KernelChoice select_decode(const Plan& plan, const CudaDeviceInfo& info) {
     row = nullptr;
   } else if (row == nullptr) {
     why = variant == 0           ? "variant 0 is the CUDA-core kernel"
-          : item_rows > 16       ? std::to_string(item_rows) + " packed rows per item (> 16)"
+          : item_rows > 128      ? std::to_string(item_rows) + " packed rows per item (> 128)"
                                  : "no tensor-core kernel for head_dim " +
                                  std::to_string(plan.head_dim);
   }
@@ -221,11 +221,16 @@ int decode_head_dim_bucket(int head_dim) { return prefill_head_dim_bucket(head_d
 
 const KernelRow* decode_mma_row(int head_dim, int rows, int variant) {
   if (variant <= 0) return nullptr;
-  // The half-height rows first (items of <= 8 rows), then the full ones (<= 16).
+  const int bucket = decode_head_dim_bucket(head_dim);
+  // The half-height rows first (items of <= 8 rows), then the full ones (<= 16), both of the
+  // tuned variant; wider items take the smallest row-tile row that holds them (not tuned).
   for (const uint32_t height : {0u, static_cast<uint32_t>(kKernelFullRows)}) {
-    const KernelRow* row = find_kernel_row(KernelFamily::kSm80DecodeMma,
-                                           decode_head_dim_bucket(head_dim), height, variant);
+    const KernelRow* row = find_kernel_row(KernelFamily::kSm80DecodeMma, bucket, height, variant);
     if (row != nullptr && rows <= row->shape.rows) return row;
+  }
+  for (const int wide : {32, 64, 128}) {
+    if (rows > wide) continue;
+    return find_kernel_row(KernelFamily::kSm80DecodeMma, bucket, kKernelFullRows, 0, wide);
   }
   return nullptr;
 }
@@ -286,9 +291,9 @@ CudaDecodeSelection cuda_decode_selection(int num_qo_heads, int num_kv_heads, in
                                  " bytes) than the device allows";
   } else if (selection.tuning.value.variant == 0) {
     selection.cuda_core_reason = "variant 0 is the CUDA-core kernel";
-  } else if (group > 16) {
+  } else if (group > 128) {
     selection.cuda_core_reason = "a GQA group of " + std::to_string(group) +
-                                 " packs more than 16 rows per token";
+                                 " packs more than 128 rows per token";
   } else if (kv_dtype != DType::kFloat16 && kv_dtype != DType::kBFloat16) {
     selection.cuda_core_reason = std::string(dtype_name(kv_dtype)) + " K/V";
   } else {

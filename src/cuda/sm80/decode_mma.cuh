@@ -26,16 +26,22 @@
 
 namespace tessera::detail::sm80 {
 
-template <int kHeadDim_, int kWarps_, int kStagesWanted_, bool kFullRows_>
+// kWarps_ warps split each tile's keys (key warps); kRowTiles_ > 1 (wide GQA groups, issue 39)
+// repeats them per 16-row tile of the item's packed rows, so every row tile reads the same K/V
+// stage and K/V leaves memory once per item whatever the group width.
+template <int kHeadDim_, int kWarps_, int kStagesWanted_, bool kFullRows_, int kRowTiles_ = 1>
 struct DecodeMmaTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kKVBytes = 2;
-  static constexpr int kWarps = kWarps_;
+  static constexpr int kKeyWarps = kWarps_;
+  static constexpr int kRowTiles = kRowTiles_;
+  static constexpr int kWarps = kKeyWarps * kRowTiles;
   static constexpr bool kFullRows = kFullRows_;      // rows 8..15 of the m16 tile in use
-  static constexpr int kMaxRows = kFullRows ? 16 : 8;
+  static constexpr int kWarpRows = kFullRows ? 16 : 8;  // rows of one warp's m16 tile
+  static constexpr int kMaxRows = kWarpRows * kRowTiles;
   static constexpr int kNumThreads = 32 * kWarps;
   static constexpr int kKeysPerWarp = 16;
-  static constexpr int kTileKeys = kKeysPerWarp * kWarps;
+  static constexpr int kTileKeys = kKeysPerWarp * kKeyWarps;
   static constexpr int kRowBytes = kHeadDim * kKVBytes;
   static constexpr int kTileBytes = kTileKeys * kRowBytes;  // one K (and one V) tile of a stage
   // Stages capped so that one CTA fits the 227 KiB of an sm_90 block (and ~200 KiB budget).
@@ -53,8 +59,8 @@ struct DecodeMmaTraits {
   // then the key-row offsets.
   static constexpr size_t kRingBytes = size_t{kStages} * kTileBytes;
   static constexpr int kMergeStride = kHeadDim + 8;  // floats per merged row (bank spread)
-  static constexpr size_t kMergeOBytes = size_t{kWarps} * kMaxRows * kMergeStride * 4;
-  static constexpr size_t kMergeStatBytes = size_t{kWarps} * kMaxRows * 4;
+  static constexpr size_t kMergeOBytes = size_t{kWarps} * kWarpRows * kMergeStride * 4;
+  static constexpr size_t kMergeStatBytes = size_t{kWarps} * kWarpRows * 4;
   static constexpr size_t kMergeBytes = kMergeOBytes + 2 * kMergeStatBytes;
   static constexpr size_t kWorkBytes = 2 * kRingBytes > kMergeBytes ? 2 * kRingBytes : kMergeBytes;
   static constexpr size_t kKRingOffset = 0;
@@ -74,6 +80,11 @@ struct DecodeMmaTraits {
   static_assert(kCopiesPerRow >= 8, "the XOR swizzle needs 8 chunks per row");
   static_assert(kTileKeys % kRowsPerCopyPass == 0, "whole copy passes per tile");
   static_assert(kTileKeys <= kNumThreads, "one thread prefetches one key row's page");
+  static_assert(kRowTiles == 1 || kFullRows, "row tiles are full m16 tiles");
+
+  // Warp w's key warp and row tile (w = row_tile * kKeyWarps + key_warp).
+  __device__ static int key_warp(int warp) { return kRowTiles == 1 ? warp : warp % kKeyWarps; }
+  __device__ static int row_tile(int warp) { return kRowTiles == 1 ? 0 : warp / kKeyWarps; }
 };
 
 template <DType kDType>
@@ -148,12 +159,13 @@ struct MmaWarpState {
 
 template <class Traits, DType kDType>
 __device__ __forceinline__ void mma_load_rows(const DecodeArgs& args, const DecodeItem& item,
-                                              int lane, MmaWarpState<Traits>& state) {
+                                              int row_tile, int lane,
+                                              MmaWarpState<Traits>& state) {
   const AttentionProblem& problem = args.problem;
   const int group_row = lane / 4, quad_lane = lane % 4;
 #pragma unroll
   for (int set = 0; set < 2; ++set) {
-    const int32_t row = group_row + 8 * set;
+    const int32_t row = row_tile * Traits::kWarpRows + group_row + 8 * set;
     const bool used = (set == 0 || Traits::kFullRows) && row < item.rows;
     const uint16_t* q_row = nullptr;
     int32_t t = 0;
@@ -190,12 +202,13 @@ __device__ __forceinline__ void mma_load_rows(const DecodeArgs& args, const Deco
   }
 }
 
-// One warp's 16 keys of a tile: S = Q K^T, online softmax, O += P V.
+// One warp's 16 keys of a tile (those of its key warp): S = Q K^T, online softmax, O += P V.
 template <class Traits, DType kDType>
 __device__ __forceinline__ void mma_consume_tile(const DecodeArgs& args, uint32_t k_stage,
                                                  uint32_t v_stage, int32_t tile_first_key,
                                                  int warp, int lane,
                                                  MmaWarpState<Traits>& state) {
+  warp = Traits::key_warp(warp);
   using Ops = MmaOps<kDType>;
   constexpr int kSets = MmaWarpState<Traits>::kRowSets;
   const int matrix = lane / 8, matrix_row = lane % 8;
@@ -319,7 +332,7 @@ __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, cons
 #pragma unroll
   for (int set = 0; set < kSets; ++set) {
     const int row = group_row + 8 * set;
-    const int state_index = warp * Traits::kMaxRows + row;
+    const int state_index = warp * Traits::kWarpRows + row;
     float* destination = merge_o + state_index * Traits::kMergeStride + 2 * quad_lane;
 #pragma unroll
     for (int d = 0; d < Traits::kDTiles; ++d) {
@@ -339,17 +352,21 @@ __device__ __forceinline__ void mma_merge_and_store(const DecodeArgs& args, cons
   for (int32_t task = threadIdx.x; task < rows * quads; task += Traits::kNumThreads) {
     const int32_t row = task / quads;
     const int32_t quad = task - row * quads;
+    // The states of `row`: one per key warp of its row tile.
+    const int32_t tile = Traits::kRowTiles == 1 ? 0 : row / Traits::kWarpRows;
+    const int32_t first_state =
+        tile * Traits::kKeyWarps * Traits::kWarpRows + (row - tile * Traits::kWarpRows);
     float best = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < Traits::kWarps; ++w) {
-      best = ptx::max_nan(best, merge_max[w * Traits::kMaxRows + row]);
+    for (int w = 0; w < Traits::kKeyWarps; ++w) {
+      best = ptx::max_nan(best, merge_max[first_state + w * Traits::kWarpRows]);
     }
     float4 accumulator = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float total = 0.0f;
     if (best != -INFINITY) {
 #pragma unroll
-      for (int w = 0; w < Traits::kWarps; ++w) {
-        const int state_index = w * Traits::kMaxRows + row;
+      for (int w = 0; w < Traits::kKeyWarps; ++w) {
+        const int state_index = first_state + w * Traits::kWarpRows;
         const float weight = ptx::ex2_approx(merge_max[state_index] - best);
         total += weight * merge_sum[state_index];
         const float4 part = *reinterpret_cast<const float4*>(
@@ -424,7 +441,7 @@ struct MmaDecode {
     next.item_ready = next.offsets_ready = false;
     const int32_t next_index = index + 1 < end ? index + 1 : -1;
     MmaWarpState<Traits> state;
-    mma_load_rows<Traits, kDType>(args, item, lane, state);
+    mma_load_rows<Traits, kDType>(args, item, Traits::row_tile(warp), lane, state);
 
     constexpr int kOffsetsPerBuffer = Traits::kStages * Traits::kTileKeys;
     auto* offsets_base = reinterpret_cast<longlong2*>(shared + Traits::kKeyOffsetsOffset);
@@ -498,6 +515,26 @@ void add_decode_mma_variants(KernelRows& rows) {
   rows.push_back(decode_mma_row<kHeadDim, 5, 2, 4, kFullRows>());
 }
 
+// Wide GQA groups (17..128 packed rows per item, issue 39): kRowTiles m16 row tiles, each over
+// kKeyWarps key warps, sharing every K/V stage. Not tuned (variant 0 in the row); chosen by the
+// item's row count, the smallest that holds it.
+template <int kHeadDim, int kKeyWarps, int kStages, int kRowTiles>
+KernelRow decode_mma_wide_row() {
+  using Traits = DecodeMmaTraits<kHeadDim, kKeyWarps, kStages, true, kRowTiles>;
+  KernelRow row;
+  row.family = KernelFamily::kSm80DecodeMma;
+  row.features = kKernelFullRows;
+  row.shape.head_dim = Traits::kHeadDim;
+  row.shape.num_threads = Traits::kNumThreads;
+  row.shape.stages = Traits::kStages;
+  row.shape.smem_bytes = Traits::kSmemBytes;
+  row.shape.rows = Traits::kMaxRows;
+  row.shape.variant = 0;
+  row.instances = {decode_instance<MmaDecode<Traits, DType::kFloat16>>(),
+                   decode_instance<MmaDecode<Traits, DType::kBFloat16>>()};
+  return row;
+}
+
 // Tensor-core rows of one head_dim bucket. d256 has none: 256 dims of accumulators plus the Q
 // fragments spill at 255 registers; it keeps the CUDA-core kernel.
 template <int kHeadDim>
@@ -505,6 +542,12 @@ void add_decode_mma_rows(KernelRows& rows) {
   if constexpr (kHeadDim <= 128) {
     add_decode_mma_variants<kHeadDim, false>(rows);
     add_decode_mma_variants<kHeadDim, true>(rows);
+    // 32 rows: 2 row tiles x 2 key warps (128 threads, 4 stages of 32 keys); 64: 4 x 2 (256,
+    // 6 stages); 128: 8 x 1 (256, 10 stages of 16 keys). At ~170 registers a 256-thread CTA is
+    // alone on its SM, so the deeper rings keep ~80 KiB of K/V in flight there.
+    rows.push_back(decode_mma_wide_row<kHeadDim, 2, 4, 2>());
+    rows.push_back(decode_mma_wide_row<kHeadDim, 2, 6, 4>());
+    rows.push_back(decode_mma_wide_row<kHeadDim, 1, 10, 8>());
   }
 }
 
