@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -141,18 +142,23 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
     } else {
       // Decode of every batch shape, then a skewed batch (issue 5).
       for (const BenchCase& c : decode_suite_cases()) cases.push_back(c);
-      // Decode on the CUDA-core kernel: head_dim 256 (no tensor-core rows) and a 32:1 group
-      // (more packed rows than one tensor-core tile holds; issue 39).
+      // Decode on the CUDA-core kernel (head_dim 256 has no tensor-core rows).
       BenchCase d256 = gqa_case(AttentionOp::kDecode, 16, 1, 4096, false, 16);
       d256.head_dim = 256;
       d256.num_qo_heads = 16;
       d256.num_kv_heads = 4;
       d256.name = "decode gqa16/4 d256 p16 16x4096";
       cases.push_back(d256);
-      BenchCase wide = gqa_case(AttentionOp::kDecode, 64, 1, 4096, false, 16);
-      wide.num_kv_heads = 1;
-      wide.name = "decode gqa32/1 d128 p16 64x4096";
-      cases.push_back(wide);
+      // Wide groups (issue 39): 16:1, 32:1 and 128:1 on the tensor-core row-tile rows.
+      for (auto [qo_heads, kv_heads, batch] :
+           {std::tuple{64, 4, 64}, {32, 1, 16}, {32, 1, 64}, {128, 1, 64}}) {
+        BenchCase wide = gqa_case(AttentionOp::kDecode, batch, 1, 4096, false, 16);
+        wide.num_qo_heads = qo_heads;
+        wide.num_kv_heads = kv_heads;
+        wide.name = "decode gqa" + std::to_string(qo_heads) + "/" + std::to_string(kv_heads) +
+                    " d128 p16 " + std::to_string(batch) + "x4096";
+        cases.push_back(wide);
+      }
       BenchCase skewed_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 256, 256, true, 0);
       skewed_prefill.first_q_len = skewed_prefill.first_kv_len = 16384;
       skewed_prefill.name = "prefill gqa32/8 d128 causal skewed 1x16k+63x256";
