@@ -14,11 +14,22 @@
 //  * Soft-cap: s = cap * tanh(s / cap) applied to the scaled logits (cap = 0: off).
 //  * o has q's dtype; lse (optional) is float32 [total_q, num_qo_heads], natural log.
 //  * A query row that sees no key gives o = 0 and lse = -inf, never NaN.
+//  * Attention sinks (optional, RunOptions::sinks): float32 [num_qo_heads] on q's device, one
+//    logit z_h per query head in the units of the scaled (and soft-capped) scores (gpt-oss's
+//    s_aux, FA4's learnable_sink). Each row's softmax runs over its visible scores plus z_h; the
+//    sink has no value row:
+//      o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{z_h}),  lse = log(sum_j e^{s_j} + e^{z_h}).
+//    A row without visible keys (or whose visible scores are all -inf) gets o = 0, lse = z_h.
+//    A sink of -inf is no sink; a NaN or +inf sink makes every row of its head NaN (o and lse),
+//    as a NaN or +inf score does. Sinks combine with causal and window masks, soft-cap, GQA,
+//    split-KV (the pieces never include the sink; the merge adds it once) and the lse output.
+//    merge_state / merge_states stay sink-free: merging states that each folded a sink would
+//    count it twice, so merge sink-free states and fold the sink into the result.
 //
 // Non-finite inputs (NaN, +-inf): one definition for every backend (CPU reference, CPU fast
 // path, CUDA sm80 and sm90, and their split-KV merges). Per output row (query token, query head)
 // with visible key set V (causal / window / request bounds):
-//  * V empty: o = 0, lse = -inf, whatever q holds.
+//  * V empty: o = 0, lse = -inf (z_h with a finite sink), whatever q holds.
 //  * Otherwise the scores s_j = sm_scale * k_scale * (q . k_j) for j in V (soft-capped when the
 //    cap is set: cap * tanh(+-inf / cap) = +-cap is finite) are taken per IEEE. If any s_j is NaN
 //    or +inf (NaN or inf in q, NaN in k_j, inf * 0, inf - inf, ...), the whole row is NaN:
@@ -253,6 +264,18 @@ void upload_plan(Plan& plan, Workspace workspace, void* stream = nullptr);
 // Host-only and cheap; a no-op without the CUDA backend.
 void forget_uploads(const void* workspace);
 
+// Per-call options of run_*() and the one-shot calls that are tensors rather than attention
+// maths fixed at plan time (more per-call options may join this struct later; every field's
+// default is "off").
+//  * sinks: optional attention sinks (see the semantics above), float32 [num_qo_heads],
+//    contiguous, on the plan's device; an empty view (the default) is none. Like q, the pointer
+//    is captured into a CUDA graph: a graph captured with sinks reads that buffer at every
+//    replay (write new values into it, never pass another one), and one captured without sinks
+//    never folds any.
+struct RunOptions {
+  TensorView sinks;
+};
+
 // ---- run (never allocates, never synchronises the host on GPU) ----
 // `stream` is a cudaStream_t for CUDA tensors and ignored on the CPU. A GPU plan not uploaded
 // into `workspace` by upload_plan() is uploaded by run itself, from the plan's pageable vectors
@@ -263,26 +286,29 @@ void forget_uploads(const void* workspace);
 void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& qo_indptr,
                         const TensorView& kv_indptr, const TensorView& o, const TensorView& lse,
-                        Workspace workspace, void* stream = nullptr);
+                        Workspace workspace, void* stream = nullptr,
+                        const RunOptions& run_options = {});
 void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
                        const TensorView& qo_indptr, const TensorView& o, const TensorView& lse,
-                       Workspace workspace, void* stream = nullptr);
+                       Workspace workspace, void* stream = nullptr,
+                       const RunOptions& run_options = {});
 // q: [batch * q_per_request, num_qo_heads, head_dim].
 void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
                 const TensorView& o, const TensorView& lse, Workspace workspace,
-                void* stream = nullptr);
+                void* stream = nullptr, const RunOptions& run_options = {});
 
 // ---- one-shot calls (plan + run with an internal workspace; indptr arrays read on the host,
 // so for CUDA tensors these synchronise: use plan/run on a serving hot path) ----
 void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& qo_indptr, const TensorView& kv_indptr, const TensorView& o,
                     const TensorView& lse = {}, const AttentionOptions& options = {},
-                    void* stream = nullptr);
+                    void* stream = nullptr, const RunOptions& run_options = {});
 void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView& qo_indptr,
                    const TensorView& o, const TensorView& lse = {},
-                   const AttentionOptions& options = {}, void* stream = nullptr);
+                   const AttentionOptions& options = {}, void* stream = nullptr,
+                   const RunOptions& run_options = {});
 void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
             const TensorView& lse = {}, const AttentionOptions& options = {},
-            void* stream = nullptr);
+            void* stream = nullptr, const RunOptions& run_options = {});
 
 }  // namespace tessera

@@ -160,6 +160,20 @@ void check_q_o_lse(const ArgChecker& check, const Plan& plan, const TensorView& 
   }
 }
 
+// RunOptions::sinks: float32 [num_qo_heads], contiguous, on the plan's device (or absent).
+// Sets problem.sinks.
+void set_sinks(const ArgChecker& check, const Plan& plan, const RunOptions& run_options,
+               AttentionProblem& problem) {
+  const TensorView& sinks = run_options.sinks;
+  if (!has_value(sinks)) return;
+  // tensor(): a unit stride on the (only) dim, data for the num_qo_heads >= 1 elements.
+  check.tensor(sinks, "sinks", 1, "[num_qo_heads] of float32");
+  check.dtype_is(sinks, "sinks", DType::kFloat32);
+  check.device_is(sinks, "sinks", plan.device);
+  check.dim_is(sinks, "sinks", 0, plan.num_qo_heads, "num_qo_heads of the plan");
+  problem.sinks = sinks.ptr<const float>();
+}
+
 void check_kv_dtype(const ArgChecker& check, const TensorView& k, const TensorView& v,
                     const TensorView& q, const char* k_name, const char* v_name) {
   check.dtype_in(k, k_name,
@@ -427,7 +441,7 @@ void forget_uploads(const void* workspace) { detail::dispatch_forget_uploads(wor
 void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& qo_indptr,
                         const TensorView& kv_indptr, const TensorView& o, const TensorView& lse,
-                        Workspace workspace, void* stream) {
+                        Workspace workspace, void* stream, const RunOptions& run_options) {
   const ArgChecker check("run_ragged_prefill");
   check_plan_op(check, plan, AttentionOp::kRaggedPrefill);
   check_q_o_lse(check, plan, q, o, lse);
@@ -472,12 +486,13 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
   problem.kv.k_extent = k.shape[0];
   problem.kv.v_extent = v.shape[0];
   problem.kv.kv_indptr = kv_indptr.ptr<const int32_t>();
+  set_sinks(check, plan, run_options, problem);
   dispatch(check, plan, problem, workspace, stream);
 }
 
 void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
                        const TensorView& qo_indptr, const TensorView& o, const TensorView& lse,
-                       Workspace workspace, void* stream) {
+                       Workspace workspace, void* stream, const RunOptions& run_options) {
   const ArgChecker check("run_paged_prefill");
   check_plan_op(check, plan, AttentionOp::kPagedPrefill);
   check_q_o_lse(check, plan, q, o, lse);
@@ -487,11 +502,13 @@ void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache
   AttentionProblem problem = base_problem(plan, q, o, lse);
   problem.qo_indptr = qo_indptr.ptr<const int32_t>();
   problem.kv = source;
+  set_sinks(check, plan, run_options, problem);
   dispatch(check, plan, problem, workspace, stream);
 }
 
 void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
-                const TensorView& o, const TensorView& lse, Workspace workspace, void* stream) {
+                const TensorView& o, const TensorView& lse, Workspace workspace, void* stream,
+                const RunOptions& run_options) {
   const ArgChecker check("run_decode");
   check_plan_op(check, plan, AttentionOp::kDecode);
   check_q_o_lse(check, plan, q, o, lse);
@@ -501,6 +518,7 @@ void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
   problem.qo_indptr = nullptr;
   problem.q_per_request = plan.batch_size > 0 ? plan.q_lens[0] : 1;
   problem.kv = source;
+  set_sinks(check, plan, run_options, problem);
   dispatch(check, plan, problem, workspace, stream);
 }
 
@@ -530,7 +548,8 @@ void check_total_fits(const ArgChecker& check, const std::vector<int32_t>& indpt
 
 void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& qo_indptr, const TensorView& kv_indptr, const TensorView& o,
-                    const TensorView& lse, const AttentionOptions& options, void* stream) {
+                    const TensorView& lse, const AttentionOptions& options, void* stream,
+                    const RunOptions& run_options) {
   const ArgChecker check("ragged_prefill");
   check_one_shot_q(check, q);
   check.tensor(k, "k", 3, "[total_kv, num_kv_heads, head_dim]");
@@ -544,7 +563,8 @@ void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& 
                                         static_cast<int>(k.shape[1]),
                                         static_cast<int>(q.shape[2]), options, q.device);
   detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
-  run_ragged_prefill(plan, q, k, v, qo_indptr, kv_indptr, o, lse, scratch.workspace(), stream);
+  run_ragged_prefill(plan, q, k, v, qo_indptr, kv_indptr, o, lse, scratch.workspace(), stream,
+                     run_options);
 }
 
 namespace {
@@ -566,7 +586,7 @@ int page_size_of(const PagedKVCache& kv) {
 
 void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView& qo_indptr,
                    const TensorView& o, const TensorView& lse, const AttentionOptions& options,
-                   void* stream) {
+                   void* stream, const RunOptions& run_options) {
   const ArgChecker check("paged_prefill");
   check_one_shot_q(check, q);
   const int num_kv_heads = kv_heads_of(check, kv);
@@ -584,11 +604,12 @@ void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView
       plan_paged_prefill(qo, pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
                          num_kv_heads, static_cast<int>(q.shape[2]), options, q.device);
   detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
-  run_paged_prefill(plan, q, kv, qo_indptr, o, lse, scratch.workspace(), stream);
+  run_paged_prefill(plan, q, kv, qo_indptr, o, lse, scratch.workspace(), stream, run_options);
 }
 
 void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
-            const TensorView& lse, const AttentionOptions& options, void* stream) {
+            const TensorView& lse, const AttentionOptions& options, void* stream,
+            const RunOptions& run_options) {
   const ArgChecker check("decode");
   check_one_shot_q(check, q);
   const int num_kv_heads = kv_heads_of(check, kv);
@@ -613,7 +634,7 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
                                 num_kv_heads, static_cast<int>(q.shape[2]), options, q.device,
                                 static_cast<int>(q_per_request));
   detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
-  run_decode(plan, q, kv, o, lse, scratch.workspace(), stream);
+  run_decode(plan, q, kv, o, lse, scratch.workspace(), stream, run_options);
 }
 
 }  // namespace tessera

@@ -28,6 +28,7 @@
 #include "core/workspace_layout.hpp"
 #include "cpu/cpu_info.hpp"
 #include "cpu/fast_attention_impl.hpp"
+#include "cpu/sink.hpp"
 #include "tessera/backend.hpp"
 
 namespace tessera::detail {
@@ -248,6 +249,7 @@ FastKernelEntry kernel_for(CpuIsa isa) {
 // Combines the num_splits float partials of every row of one merge item into the output, as
 // one pass over all the keys would have: an empty split (lse = -inf) has weight 0, a NaN split
 // (lse NaN: it met a NaN or +inf score) makes the row NaN (include/tessera/attention.hpp).
+// The row's sink, if any, is folded into the merged row (the partials never hold it).
 void merge_partials(const AttentionProblem& problem, const MergeItem& merge, const float* partial_o,
                     const float* partial_lse, std::vector<float>* row) {
   const int32_t group_size = problem.group_size();
@@ -290,6 +292,12 @@ void merge_partials(const AttentionProblem& problem, const MergeItem& merge, con
     }
     const int64_t token = first_token + r / group_size;
     const int64_t qo_head = static_cast<int64_t>(merge.kv_head) * group_size + r % group_size;
+    if (problem.sinks != nullptr) {  // the pieces hold no sink: fold it once, here
+      const SinkFold fold = fold_sink(lse, problem.sinks[qo_head]);
+      const float factor = static_cast<float>(fold.factor);
+      for (int32_t d = 0; d < head_dim; ++d) acc[d] = std::isnan(factor) ? factor : acc[d] * factor;
+      lse = static_cast<float>(fold.lse);
+    }
     const int64_t o_offset = token * problem.o_stride_token + qo_head * problem.o_stride_head;
     for (int32_t d = 0; d < head_dim; ++d) {
       store_from_float(problem.o, problem.q_dtype, o_offset + d, acc[d]);

@@ -28,6 +28,7 @@
 
 #include "core/problem.hpp"
 #include "cpu/cpu_info.hpp"
+#include "cpu/sink.hpp"
 #include "tessera/attention.hpp"
 
 namespace tessera::detail {
@@ -507,12 +508,22 @@ class FlashAttentionKernel {
       // 0 * inf = NaN; as a split-KV partial it keeps 0 * that accumulator, so the merge sees
       // the NaN a single pass would have (merge_partials). A NaN sum (a NaN or +inf score)
       // makes the row and its lse NaN.
+      // A final row with a sink folds it here (sink.hpp; one term per row), a partial never.
       const bool empty = sum == 0.0f;
-      const float lse =
-          empty ? minus_inf_lse
-                : static_cast<float>((row_max[r] + std::log2(static_cast<double>(sum))) * kLn2);
-      const bool zero_row = empty && item.partial_row < 0;
-      const Vec scale = Simd::set1(empty ? 0.0f : context.out_scale / sum);
+      const int32_t qo_head = item.kv_head * group_size + r % group_size;
+      const double row_lse =
+          empty ? minus_inf_lse : (row_max[r] + std::log2(static_cast<double>(sum))) * kLn2;
+      float lse = static_cast<float>(row_lse);
+      bool zero_row = empty && item.partial_row < 0;
+      float row_scale = empty ? 0.0f : context.out_scale / sum;
+      if (problem.sinks != nullptr && item.partial_row < 0) {
+        const SinkFold fold = fold_sink(row_lse, problem.sinks[qo_head]);
+        lse = static_cast<float>(fold.lse);
+        row_scale = static_cast<float>(row_scale * fold.factor);
+        zero_row = zero_row && !std::isnan(fold.factor);  // a NaN sink: the row is NaN
+        if (std::isnan(fold.factor)) row_scale = std::numeric_limits<float>::quiet_NaN();
+      }
+      const Vec scale = Simd::set1(row_scale);
       const float* o_row = o + r * dim_padded;
       for (int32_t d = 0; d < dim_padded; d += kLanes) {
         Simd::store(row_buffer + d,
@@ -524,7 +535,6 @@ class FlashAttentionKernel {
         context.partial_lse[partial] = lse;
         continue;
       }
-      const int32_t qo_head = item.kv_head * group_size + r % group_size;
       const int64_t token = first_token + r / group_size;
       store_row(row_buffer, problem.q_dtype, head_dim, problem.o,
                 token * problem.o_stride_token + qo_head * problem.o_stride_head);

@@ -21,7 +21,8 @@ struct ReferenceRow {
 // of its request and kv head. Writes head_dim values to `out`; returns the natural-log lse
 // (-inf when the row sees no key or every visible score is -inf, and then `out` is all zeros;
 // NaN when a visible score is NaN or +inf, and then `out` is all NaN: the non-finite semantics
-// of include/tessera/attention.hpp).
+// of include/tessera/attention.hpp). With problem.sinks the row's sink joins the softmax
+// (sink.hpp): a row without keys then gives o = 0 and lse = the sink.
 double reference_row(const AttentionProblem& problem, int32_t request, int32_t token,
                      int32_t qo_head, const float* keys, const float* values, double* out);
 

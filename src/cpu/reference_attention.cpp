@@ -3,7 +3,8 @@
 // right is the point. The per-row formula lives in reference_row() (reference_rows.cpp), shared
 // with the sampled checks of `tessera bench`:
 //   s_j = (q . k_j) * k_scale * sm_scale, s_j = cap * tanh(s_j / cap) if cap > 0,
-//   p_j = softmax over the visible keys, o = v_scale * sum_j p_j v_j, lse = log sum_j exp(s_j).
+//   p_j = softmax over the visible keys, o = v_scale * sum_j p_j v_j, lse = log sum_j exp(s_j);
+//   with a sink z of the query head, the softmax's denominator and lse gain exp(z) (sink.hpp).
 // Non-finite inputs follow include/tessera/attention.hpp: a NaN or +inf visible score makes the
 // row NaN (o and lse), a -inf score is weight 0, a row of only -inf scores is empty (o = 0,
 // lse = -inf), and NaN / inf in v reach o per IEEE.

@@ -5,6 +5,7 @@
 
 #include "core/half.hpp"
 #include "cpu/reference.hpp"
+#include "cpu/sink.hpp"
 
 namespace tessera::detail {
 
@@ -23,7 +24,10 @@ void reference_load_kv(const AttentionProblem& problem, bool values, int32_t req
   }
 }
 
-double reference_row(const AttentionProblem& problem, int32_t request, int32_t token,
+namespace {
+
+// reference_row without the sink: o and lse of the visible keys alone.
+double sink_free_row(const AttentionProblem& problem, int32_t request, int32_t token,
                      int32_t qo_head, const float* keys, const float* values, double* out) {
   const int32_t head_dim = problem.head_dim;
   const int32_t q_len = problem.q_len(request), kv_len = problem.kv.kv_len(request);
@@ -72,6 +76,20 @@ double reference_row(const AttentionProblem& problem, int32_t request, int32_t t
   const double v_scale = problem.v_scale;
   for (int32_t d = 0; d < head_dim; ++d) out[d] = out[d] * v_scale / sum;
   return max_logit + std::log(sum);
+}
+
+}  // namespace
+
+double reference_row(const AttentionProblem& problem, int32_t request, int32_t token,
+                     int32_t qo_head, const float* keys, const float* values, double* out) {
+  const double lse = sink_free_row(problem, request, token, qo_head, keys, values, out);
+  if (problem.sinks == nullptr) return lse;
+  const SinkFold fold = fold_sink(lse, problem.sinks[qo_head]);
+  // factor 0 (a row without keys) keeps o = 0 exactly; NaN makes the row NaN.
+  for (int32_t d = 0; d < problem.head_dim; ++d) {
+    out[d] = std::isnan(fold.factor) ? fold.factor : out[d] * fold.factor;
+  }
+  return fold.lse;
 }
 
 void cpu_reference_rows(const AttentionProblem& problem, std::span<const ReferenceRow> rows,

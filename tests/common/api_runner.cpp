@@ -104,6 +104,11 @@ Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* gi
   auto page_indices = mirror(device, buffers.page_indices);
   auto last_page_len = mirror(device, buffers.last_page_len);
   auto space = mirror(device, workspace);
+  auto sinks = mirror(device, buffers.sinks);
+  RunOptions run_options;
+  if (c.with_sinks) {
+    run_options.sinks = make_view(sinks->data(), DType::kFloat32, {c.num_qo_heads}, device);
+  }
 
   const TensorView q_view =
       make_view(q->data(), c.q_dtype, {c.total_q(), c.num_qo_heads, c.head_dim},
@@ -147,16 +152,16 @@ Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* gi
       run_ragged_prefill(plan, q_view, k_view, v_view,
                          index_view(*qo_indptr, buffers.qo_indptr.size(), device),
                          index_view(*kv_indptr, buffers.kv_indptr.size(), device), o_view,
-                         lse_view, ws);
+                         lse_view, ws, nullptr, run_options);
       break;
     }
     case AttentionOp::kPagedPrefill:
       run_paged_prefill(plan, q_view, cache,
                         index_view(*qo_indptr, buffers.qo_indptr.size(), device), o_view,
-                        lse_view, ws);
+                        lse_view, ws, nullptr, run_options);
       break;
     case AttentionOp::kDecode:
-      run_decode(plan, q_view, cache, o_view, lse_view, ws);
+      run_decode(plan, q_view, cache, o_view, lse_view, ws, nullptr, run_options);
       break;
   }
   o->download(buffers.o.data());

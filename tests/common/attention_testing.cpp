@@ -131,6 +131,7 @@ std::string AttentionCase::describe() const {
   if (sm_scale != 0) text << " sm_scale=" << sm_scale;
   if (k_scale != 1 || v_scale != 1) text << " kv_scale=" << k_scale << "," << v_scale;
   text << (with_lse ? " lse" : " no-lse");
+  if (with_sinks) text << " sinks";
   text << " pads(q " << q_head_pad << "," << q_token_pad << " o " << o_head_pad << ","
        << o_token_pad << " kv " << kv_head_pad << "," << kv_token_pad << " lse " << lse_token_pad
        << ")";
@@ -286,6 +287,13 @@ AttentionBuffers make_buffers(const AttentionCase& c, std::mt19937_64& rng) {
       }
     }
   }
+  // Sinks around the scores' range: some rows dominated by their keys, some by the sink (so
+  // the sink's side of the max shift is exercised too).
+  if (c.with_sinks) {
+    std::uniform_real_distribution<float> logit(-4.0f, 6.0f);
+    buffers.sinks.resize(c.num_qo_heads);
+    for (float& sink : buffers.sinks) sink = logit(rng);
+  }
   return buffers;
 }
 
@@ -302,6 +310,7 @@ BufferPointers host_pointers(AttentionBuffers& buffers) {
   pointers.page_indptr = buffers.page_indptr.empty() ? nullptr : buffers.page_indptr.data();
   pointers.page_indices = buffers.page_indices.data();
   pointers.last_page_len = buffers.last_page_len.empty() ? nullptr : buffers.last_page_len.data();
+  pointers.sinks = buffers.test_case.with_sinks ? buffers.sinks.data() : nullptr;
   return pointers;
 }
 
@@ -353,6 +362,7 @@ detail::AttentionProblem make_problem(const AttentionBuffers& buffers,
   problem.k_scale = c.k_scale;
   problem.v_scale = c.v_scale;
   problem.mask = c.mask();
+  problem.sinks = c.with_sinks ? pointers.sinks : nullptr;
   return problem;
 }
 
@@ -429,7 +439,10 @@ Comparison compare_outputs(const AttentionBuffers& buffers, const Outputs& actua
           } else if (ref != minus_inf) {
             result.lse_max_abs_err = std::max<double>(result.lse_max_abs_err, std::fabs(out - ref));
           }
-          lse_wrong_for_empty = out != minus_inf;
+          // With a sink an empty row's lse is the sink (to float rounding of its base-2 form).
+          lse_wrong_for_empty =
+              c.with_sinks ? !(std::fabs(out - buffers.sinks[h]) <= 1e-5f * (1.0f + std::fabs(out)))
+                           : out != minus_inf;
         }
         if (empty_row && (row_nonzero || lse_wrong_for_empty)) ++result.empty_row_violations;
       }

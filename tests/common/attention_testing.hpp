@@ -51,6 +51,9 @@ struct AttentionCase {
   float k_scale = 1.0f;
   float v_scale = 1.0f;
   bool with_lse = true;
+  // Attention sinks (RunOptions::sinks): one random float32 logit per query head, drawn by
+  // make_buffers after everything else (cases without sinks draw exactly as before).
+  bool with_sinks = false;
   // Extra elements after every head row / every token of a tensor (non-contiguous strides).
   int32_t q_head_pad = 0, q_token_pad = 0;
   int32_t o_head_pad = 0, o_token_pad = 0;
@@ -100,6 +103,7 @@ struct AttentionBuffers {
   std::vector<uint8_t> q, k, v, o, lse;                           // lse: float32
   std::vector<int32_t> qo_indptr, kv_indptr;                      // ragged
   std::vector<int32_t> page_indptr, page_indices, last_page_len;  // paged
+  std::vector<float> sinks;                                       // [num_qo_heads] or empty
 };
 
 AttentionBuffers make_buffers(const AttentionCase& test_case, std::mt19937_64& rng);
@@ -116,6 +120,7 @@ struct BufferPointers {
   const int32_t* page_indptr = nullptr;
   const int32_t* page_indices = nullptr;
   const int32_t* last_page_len = nullptr;
+  const float* sinks = nullptr;  // null when the case has no sinks
 };
 
 BufferPointers host_pointers(AttentionBuffers& buffers);
@@ -138,7 +143,8 @@ struct Comparison {
   int64_t nan_count = 0;             // non-finite o values, NaN lse values
   double lse_max_abs_err = 0.0;      // over rows whose reference lse is finite
   int64_t lse_inf_mismatches = 0;    // rows where exactly one of out / ref lse is -inf
-  int64_t empty_row_violations = 0;  // rows seeing no key whose o != 0 or lse != -inf
+  int64_t empty_row_violations = 0;  // rows seeing no key whose o != 0 or lse != -inf (the
+                                     // head's sink with sinks)
   int64_t padding_writes = 0;        // o / lse elements outside the logical tensor written
   bool ok(double tolerance, double lse_tolerance) const;
   std::string describe() const;
