@@ -194,6 +194,41 @@ TESSERA_API tessera_status tessera_run_decode(const tessera_plan* plan, const DL
                                               const DLTensor* lse, void* workspace,
                                               size_t workspace_bytes, void* stream);
 
+/* Per-call options of the *_v2 run and one-shot calls (tessera::RunOptions). Extensible: the
+ * caller sets struct_size = sizeof(tessera_run_options) as its header declares it (or calls
+ * tessera_run_options_default), and the library reads only the fields that size covers, so a
+ * caller built against this header keeps working with a library whose struct has grown.
+ * run_options may be NULL (all off).
+ *  - sinks: optional attention sinks, float32 [num_qo_heads] on q's device (NULL: none): one
+ *    logit per query head, in the units of the scaled (and soft-capped) scores, that joins each
+ *    row's softmax denominator and has no value row (gpt-oss's s_aux; include/tessera/
+ *    attention.hpp). A row without keys gets o = 0, lse = the sink. Captured into a CUDA graph
+ *    like q (the graph reads that buffer at every replay). */
+typedef struct tessera_run_options {
+  size_t struct_size;
+  const DLTensor* sinks;
+} tessera_run_options;
+
+/* Fills the defaults: struct_size = sizeof(tessera_run_options), no sinks. */
+TESSERA_API void tessera_run_options_default(tessera_run_options* run_options);
+
+/* The run calls above with per-call options (the versions without _v2 are these with NULL). */
+TESSERA_API tessera_status tessera_run_ragged_prefill_v2(
+    const tessera_plan* plan, const DLTensor* q, const DLTensor* k, const DLTensor* v,
+    const DLTensor* qo_indptr, const DLTensor* kv_indptr, const DLTensor* o, const DLTensor* lse,
+    void* workspace, size_t workspace_bytes, void* stream, const tessera_run_options* run_options);
+
+TESSERA_API tessera_status tessera_run_paged_prefill_v2(
+    const tessera_plan* plan, const DLTensor* q, const tessera_paged_kv* kv,
+    const DLTensor* qo_indptr, const DLTensor* o, const DLTensor* lse, void* workspace,
+    size_t workspace_bytes, void* stream, const tessera_run_options* run_options);
+
+TESSERA_API tessera_status tessera_run_decode_v2(const tessera_plan* plan, const DLTensor* q,
+                                                 const tessera_paged_kv* kv, const DLTensor* o,
+                                                 const DLTensor* lse, void* workspace,
+                                                 size_t workspace_bytes, void* stream,
+                                                 const tessera_run_options* run_options);
+
 /* ---- one-shot calls ----
  * plan + run with an internal workspace. The index arrays are read on the host, so for CUDA
  * tensors these synchronise the stream: use plan/run on a serving hot path. */
@@ -215,6 +250,24 @@ TESSERA_API tessera_status tessera_paged_prefill(const DLTensor* q, const tesser
 TESSERA_API tessera_status tessera_decode(const DLTensor* q, const tessera_paged_kv* kv,
                                           const DLTensor* o, const DLTensor* lse,
                                           const tessera_attention_options* options, void* stream);
+
+/* The one-shot calls above with per-call options (see tessera_run_options). */
+TESSERA_API tessera_status tessera_ragged_prefill_v2(
+    const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* qo_indptr,
+    const DLTensor* kv_indptr, const DLTensor* o, const DLTensor* lse,
+    const tessera_attention_options* options, void* stream, const tessera_run_options* run_options);
+
+TESSERA_API tessera_status tessera_paged_prefill_v2(const DLTensor* q, const tessera_paged_kv* kv,
+                                                    const DLTensor* qo_indptr, const DLTensor* o,
+                                                    const DLTensor* lse,
+                                                    const tessera_attention_options* options,
+                                                    void* stream,
+                                                    const tessera_run_options* run_options);
+
+TESSERA_API tessera_status tessera_decode_v2(const DLTensor* q, const tessera_paged_kv* kv,
+                                             const DLTensor* o, const DLTensor* lse,
+                                             const tessera_attention_options* options,
+                                             void* stream, const tessera_run_options* run_options);
 
 /* ---- ops ---- */
 /* Each op takes up to 65536 heads and a head_dim up to 4096. */

@@ -4,6 +4,7 @@
 // the thread's last-error text. All conversions happen before the C++ call, and the C++ API
 // validates everything before touching memory, so a failed call writes no output.
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -108,6 +109,21 @@ class Converter {
     // Out-of-range layouts pass through unchanged: the C++ API rejects them by name.
     cache.layout = static_cast<tessera::KVLayout>(kv->layout);
     return cache;
+  }
+
+  // tessera_run_options (NULL: defaults); only the fields its struct_size covers are read.
+  tessera::RunOptions run_options(const tessera_run_options* options) const {
+    tessera::RunOptions result;
+    if (options == nullptr) return result;
+    if (options->struct_size < offsetof(tessera_run_options, sinks) + sizeof(options->sinks)) {
+      if (options->struct_size < sizeof(options->struct_size)) {
+        fail("run_options", "struct_size " + std::to_string(options->struct_size) +
+                                " is too small; set it to sizeof(tessera_run_options)");
+      }
+      return result;
+    }
+    result.sinks = optional(options->sinks, "sinks");
+    return result;
   }
 
   const tessera::Plan& plan(const tessera_plan* plan) const {
@@ -305,6 +321,12 @@ void tessera_attention_options_default(tessera_attention_options* options) {
   options->v_scale = defaults.v_scale;
 }
 
+void tessera_run_options_default(tessera_run_options* run_options) {
+  if (run_options == nullptr) return;
+  run_options->struct_size = sizeof(tessera_run_options);
+  run_options->sinks = nullptr;
+}
+
 void tessera_rope_options_default(tessera_rope_options* options) {
   if (options == nullptr) return;
   const tessera::RopeOptions defaults;
@@ -426,11 +448,12 @@ void tessera_plan_destroy(tessera_plan* plan) {
 // Arguments are converted into locals in parameter order, so that with several bad arguments the
 // first one is the one reported (the order of evaluation of call arguments is unspecified).
 
-tessera_status tessera_run_ragged_prefill(const tessera_plan* plan, const DLTensor* q,
-                                          const DLTensor* k, const DLTensor* v,
-                                          const DLTensor* qo_indptr, const DLTensor* kv_indptr,
-                                          const DLTensor* o, const DLTensor* lse, void* workspace,
-                                          size_t workspace_bytes, void* stream) {
+tessera_status tessera_run_ragged_prefill_v2(const tessera_plan* plan, const DLTensor* q,
+                                             const DLTensor* k, const DLTensor* v,
+                                             const DLTensor* qo_indptr, const DLTensor* kv_indptr,
+                                             const DLTensor* o, const DLTensor* lse,
+                                             void* workspace, size_t workspace_bytes, void* stream,
+                                             const tessera_run_options* run_options) {
   constexpr const char* kFunction = "tessera_run_ragged_prefill";
   return guarded(kFunction, [&] {
     const Converter convert(kFunction);
@@ -442,16 +465,27 @@ tessera_status tessera_run_ragged_prefill(const tessera_plan* plan, const DLTens
     const TensorView kv_indptr_view = convert.tensor(kv_indptr, "kv_indptr");
     const TensorView o_view = convert.tensor(o, "o");
     const TensorView lse_view = convert.optional(lse, "lse");
+    const tessera::RunOptions run = convert.run_options(run_options);
     tessera::run_ragged_prefill(checked_plan, q_view, k_view, v_view, qo_indptr_view,
                                 kv_indptr_view, o_view, lse_view, {workspace, workspace_bytes},
-                                stream);
+                                stream, run);
   });
 }
 
-tessera_status tessera_run_paged_prefill(const tessera_plan* plan, const DLTensor* q,
-                                         const tessera_paged_kv* kv, const DLTensor* qo_indptr,
-                                         const DLTensor* o, const DLTensor* lse, void* workspace,
-                                         size_t workspace_bytes, void* stream) {
+tessera_status tessera_run_ragged_prefill(const tessera_plan* plan, const DLTensor* q,
+                                          const DLTensor* k, const DLTensor* v,
+                                          const DLTensor* qo_indptr, const DLTensor* kv_indptr,
+                                          const DLTensor* o, const DLTensor* lse, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  return tessera_run_ragged_prefill_v2(plan, q, k, v, qo_indptr, kv_indptr, o, lse, workspace,
+                                       workspace_bytes, stream, nullptr);
+}
+
+tessera_status tessera_run_paged_prefill_v2(const tessera_plan* plan, const DLTensor* q,
+                                            const tessera_paged_kv* kv, const DLTensor* qo_indptr,
+                                            const DLTensor* o, const DLTensor* lse,
+                                            void* workspace, size_t workspace_bytes, void* stream,
+                                            const tessera_run_options* run_options) {
   constexpr const char* kFunction = "tessera_run_paged_prefill";
   return guarded(kFunction, [&] {
     const Converter convert(kFunction);
@@ -461,15 +495,24 @@ tessera_status tessera_run_paged_prefill(const tessera_plan* plan, const DLTenso
     const TensorView qo_indptr_view = convert.tensor(qo_indptr, "qo_indptr");
     const TensorView o_view = convert.tensor(o, "o");
     const TensorView lse_view = convert.optional(lse, "lse");
+    const tessera::RunOptions run = convert.run_options(run_options);
     tessera::run_paged_prefill(checked_plan, q_view, cache, qo_indptr_view, o_view, lse_view,
-                               {workspace, workspace_bytes}, stream);
+                               {workspace, workspace_bytes}, stream, run);
   });
 }
 
-tessera_status tessera_run_decode(const tessera_plan* plan, const DLTensor* q,
-                                  const tessera_paged_kv* kv, const DLTensor* o,
-                                  const DLTensor* lse, void* workspace, size_t workspace_bytes,
-                                  void* stream) {
+tessera_status tessera_run_paged_prefill(const tessera_plan* plan, const DLTensor* q,
+                                         const tessera_paged_kv* kv, const DLTensor* qo_indptr,
+                                         const DLTensor* o, const DLTensor* lse, void* workspace,
+                                         size_t workspace_bytes, void* stream) {
+  return tessera_run_paged_prefill_v2(plan, q, kv, qo_indptr, o, lse, workspace, workspace_bytes,
+                                      stream, nullptr);
+}
+
+tessera_status tessera_run_decode_v2(const tessera_plan* plan, const DLTensor* q,
+                                     const tessera_paged_kv* kv, const DLTensor* o,
+                                     const DLTensor* lse, void* workspace, size_t workspace_bytes,
+                                     void* stream, const tessera_run_options* run_options) {
   constexpr const char* kFunction = "tessera_run_decode";
   return guarded(kFunction, [&] {
     const Converter convert(kFunction);
@@ -478,17 +521,26 @@ tessera_status tessera_run_decode(const tessera_plan* plan, const DLTensor* q,
     const tessera::PagedKVCache cache = convert.paged_kv(kv);
     const TensorView o_view = convert.tensor(o, "o");
     const TensorView lse_view = convert.optional(lse, "lse");
+    const tessera::RunOptions run = convert.run_options(run_options);
     tessera::run_decode(checked_plan, q_view, cache, o_view, lse_view, {workspace, workspace_bytes},
-                        stream);
+                        stream, run);
   });
+}
+
+tessera_status tessera_run_decode(const tessera_plan* plan, const DLTensor* q,
+                                  const tessera_paged_kv* kv, const DLTensor* o,
+                                  const DLTensor* lse, void* workspace, size_t workspace_bytes,
+                                  void* stream) {
+  return tessera_run_decode_v2(plan, q, kv, o, lse, workspace, workspace_bytes, stream, nullptr);
 }
 
 // ---------------------------------------------------------------- one-shot
 
-tessera_status tessera_ragged_prefill(const DLTensor* q, const DLTensor* k, const DLTensor* v,
-                                      const DLTensor* qo_indptr, const DLTensor* kv_indptr,
-                                      const DLTensor* o, const DLTensor* lse,
-                                      const tessera_attention_options* options, void* stream) {
+tessera_status tessera_ragged_prefill_v2(const DLTensor* q, const DLTensor* k, const DLTensor* v,
+                                         const DLTensor* qo_indptr, const DLTensor* kv_indptr,
+                                         const DLTensor* o, const DLTensor* lse,
+                                         const tessera_attention_options* options, void* stream,
+                                         const tessera_run_options* run_options) {
   constexpr const char* kFunction = "tessera_ragged_prefill";
   return guarded(kFunction, [&] {
     const Converter convert(kFunction);
@@ -499,15 +551,25 @@ tessera_status tessera_ragged_prefill(const DLTensor* q, const DLTensor* k, cons
     const TensorView kv_indptr_view = convert.tensor(kv_indptr, "kv_indptr");
     const TensorView o_view = convert.tensor(o, "o");
     const TensorView lse_view = convert.optional(lse, "lse");
+    const tessera::RunOptions run = convert.run_options(run_options);
     tessera::ragged_prefill(q_view, k_view, v_view, qo_indptr_view, kv_indptr_view, o_view,
-                            lse_view, attention_options(options), stream);
+                            lse_view, attention_options(options), stream, run);
   });
 }
 
-tessera_status tessera_paged_prefill(const DLTensor* q, const tessera_paged_kv* kv,
-                                     const DLTensor* qo_indptr, const DLTensor* o,
-                                     const DLTensor* lse, const tessera_attention_options* options,
-                                     void* stream) {
+tessera_status tessera_ragged_prefill(const DLTensor* q, const DLTensor* k, const DLTensor* v,
+                                      const DLTensor* qo_indptr, const DLTensor* kv_indptr,
+                                      const DLTensor* o, const DLTensor* lse,
+                                      const tessera_attention_options* options, void* stream) {
+  return tessera_ragged_prefill_v2(q, k, v, qo_indptr, kv_indptr, o, lse, options, stream,
+                                   nullptr);
+}
+
+tessera_status tessera_paged_prefill_v2(const DLTensor* q, const tessera_paged_kv* kv,
+                                        const DLTensor* qo_indptr, const DLTensor* o,
+                                        const DLTensor* lse,
+                                        const tessera_attention_options* options, void* stream,
+                                        const tessera_run_options* run_options) {
   constexpr const char* kFunction = "tessera_paged_prefill";
   return guarded(kFunction, [&] {
     const Converter convert(kFunction);
@@ -516,14 +578,22 @@ tessera_status tessera_paged_prefill(const DLTensor* q, const tessera_paged_kv* 
     const TensorView qo_indptr_view = convert.tensor(qo_indptr, "qo_indptr");
     const TensorView o_view = convert.tensor(o, "o");
     const TensorView lse_view = convert.optional(lse, "lse");
+    const tessera::RunOptions run = convert.run_options(run_options);
     tessera::paged_prefill(q_view, cache, qo_indptr_view, o_view, lse_view,
-                           attention_options(options), stream);
+                           attention_options(options), stream, run);
   });
 }
 
-tessera_status tessera_decode(const DLTensor* q, const tessera_paged_kv* kv, const DLTensor* o,
-                              const DLTensor* lse, const tessera_attention_options* options,
-                              void* stream) {
+tessera_status tessera_paged_prefill(const DLTensor* q, const tessera_paged_kv* kv,
+                                     const DLTensor* qo_indptr, const DLTensor* o,
+                                     const DLTensor* lse, const tessera_attention_options* options,
+                                     void* stream) {
+  return tessera_paged_prefill_v2(q, kv, qo_indptr, o, lse, options, stream, nullptr);
+}
+
+tessera_status tessera_decode_v2(const DLTensor* q, const tessera_paged_kv* kv, const DLTensor* o,
+                                 const DLTensor* lse, const tessera_attention_options* options,
+                                 void* stream, const tessera_run_options* run_options) {
   constexpr const char* kFunction = "tessera_decode";
   return guarded(kFunction, [&] {
     const Converter convert(kFunction);
@@ -531,8 +601,15 @@ tessera_status tessera_decode(const DLTensor* q, const tessera_paged_kv* kv, con
     const tessera::PagedKVCache cache = convert.paged_kv(kv);
     const TensorView o_view = convert.tensor(o, "o");
     const TensorView lse_view = convert.optional(lse, "lse");
-    tessera::decode(q_view, cache, o_view, lse_view, attention_options(options), stream);
+    const tessera::RunOptions run = convert.run_options(run_options);
+    tessera::decode(q_view, cache, o_view, lse_view, attention_options(options), stream, run);
   });
+}
+
+tessera_status tessera_decode(const DLTensor* q, const tessera_paged_kv* kv, const DLTensor* o,
+                              const DLTensor* lse, const tessera_attention_options* options,
+                              void* stream) {
+  return tessera_decode_v2(q, kv, o, lse, options, stream, nullptr);
 }
 
 // ---------------------------------------------------------------- ops
