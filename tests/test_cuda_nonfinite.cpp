@@ -28,6 +28,7 @@
 
 #include "common/api_runner.hpp"
 #include "common/attention_testing.hpp"
+#include "common/gpu_hand_made.hpp"
 #include "common/gpu_test_support.hpp"
 #include "common/nonfinite_testing.hpp"
 #include "common/scoped_env.hpp"
@@ -36,7 +37,6 @@
 #if defined(TESSERA_HAVE_CUDA)
 #include "core/half.hpp"
 #include "core/settings.hpp"
-#include "core/workspace_layout.hpp"
 #include "cuda/cuda_backend.hpp"
 #endif
 
@@ -64,35 +64,8 @@ bool hopper() {
   return detail::cuda_device_info(kGpu.index).sm_major == 9;
 }
 
-// A hand-made plan through the backend entry (cuda_run_attention uploads and dispatches), over
-// device copies of the case's bytes (NaN padding and spare pages included), NaN-filled outputs
-// and workspace.
 Outputs run_hand_made(AttentionBuffers& buffers, const test::TestPlanOptions& options) {
-  Plan plan = test::make_test_plan(buffers.test_case, options);
-  plan.device = kGpu;
-  plan.workspace_bytes = detail::WorkspaceLayout::of(plan).total;
-  test::poison_outputs(buffers);
-  DeviceBuffer q(buffers.q), k(buffers.k), v(buffers.v), o(buffers.o), lse(buffers.lse);
-  DeviceBuffer qo_indptr(buffers.qo_indptr), kv_indptr(buffers.kv_indptr);
-  DeviceBuffer page_indptr(buffers.page_indptr), page_indices(buffers.page_indices);
-  DeviceBuffer last_page_len(buffers.last_page_len);
-  test::BufferPointers pointers;
-  pointers.q = q.data();
-  pointers.k = k.data();
-  pointers.v = v.data();
-  pointers.o = o.data();
-  pointers.lse = buffers.test_case.with_lse ? static_cast<float*>(lse.data()) : nullptr;
-  pointers.qo_indptr = static_cast<const int32_t*>(qo_indptr.data());
-  pointers.kv_indptr = static_cast<const int32_t*>(kv_indptr.data());
-  pointers.page_indptr = static_cast<const int32_t*>(page_indptr.data());
-  pointers.page_indices = static_cast<const int32_t*>(page_indices.data());
-  pointers.last_page_len = static_cast<const int32_t*>(last_page_len.data());
-  DeviceBuffer workspace(plan.workspace_bytes);
-  detail::cuda_memset(workspace.data(), 0xff, workspace.bytes(), nullptr);
-  detail::cuda_run_attention(plan, test::make_problem(buffers, pointers),
-                             Workspace{workspace.data(), workspace.bytes()}, nullptr);
-  detail::cuda_synchronize(nullptr);
-  return Outputs{o.download<uint8_t>(), lse.download<uint8_t>()};
+  return test::run_hand_made_on_gpu(buffers, options);
 }
 
 std::string last_kernel(const AttentionCase& c) {

@@ -92,6 +92,10 @@ AttentionCase sinks_case(const SinksShape& shape, std::mt19937_64& rng) {
   } else {
     c.q_lens = {3, shape.long_q > 0 ? shape.long_q : uniform(rng, 10, 70), 5, uniform(rng, 1, 40)};
   }
+  if (shape.long_kv > 0) {  // the long request dominates (so that planners split it)
+    c.kv_lens[3] = uniform(rng, 1, 8);
+    if (!c.uniform_q) c.q_lens[3] = uniform(rng, 1, 2);
+  }
   // NaN-filled stride padding (multiples of 8: 16-byte rows for the GPU copies).
   c.q_head_pad = 8;
   c.kv_token_pad = 8;
