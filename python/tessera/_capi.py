@@ -145,6 +145,18 @@ class PagedKV(ctypes.Structure):
     ]
 
 
+class RunOptions(ctypes.Structure):
+    """``tessera_run_options`` (per-call options of the *_v2 calls: attention sinks)."""
+
+    _fields_ = [("struct_size", ctypes.c_size_t), ("sinks", _DLTensorP)]
+
+
+def run_options(sinks_dl: Optional[DLTensor]) -> RunOptions:
+    """A ``tessera_run_options`` whose sinks are ``sinks_dl`` (None: none)."""
+    return RunOptions(ctypes.sizeof(RunOptions),
+                      None if sinks_dl is None else ctypes.pointer(sinks_dl))
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 
@@ -202,6 +214,7 @@ _I32P = ctypes.POINTER(ctypes.c_int32)
 _OPTS_P = ctypes.POINTER(AttentionOptions)
 _ROPE_P = ctypes.POINTER(RopeOptionsC)
 _KV_P = ctypes.POINTER(PagedKV)
+_RUN_P = ctypes.POINTER(RunOptions)
 _STATUS = ctypes.c_int
 
 # name -> (restype, argtypes)
@@ -258,6 +271,32 @@ _PROTOTYPES: Dict[str, tuple] = {
         _STATUS, [_DLTensorP, _KV_P, _DLTensorP, _DLTensorP, _DLTensorP, _OPTS_P, _VOIDP]
     ),
     "tessera_decode": (_STATUS, [_DLTensorP, _KV_P, _DLTensorP, _DLTensorP, _OPTS_P, _VOIDP]),
+    "tessera_run_ragged_prefill_v2": (
+        _STATUS,
+        [_VOIDP, _DLTensorP, _DLTensorP, _DLTensorP, _DLTensorP, _DLTensorP, _DLTensorP,
+         _DLTensorP, _VOIDP, ctypes.c_size_t, _VOIDP, _RUN_P],
+    ),
+    "tessera_run_paged_prefill_v2": (
+        _STATUS,
+        [_VOIDP, _DLTensorP, _KV_P, _DLTensorP, _DLTensorP, _DLTensorP, _VOIDP, ctypes.c_size_t,
+         _VOIDP, _RUN_P],
+    ),
+    "tessera_run_decode_v2": (
+        _STATUS,
+        [_VOIDP, _DLTensorP, _KV_P, _DLTensorP, _DLTensorP, _VOIDP, ctypes.c_size_t, _VOIDP,
+         _RUN_P],
+    ),
+    "tessera_ragged_prefill_v2": (
+        _STATUS,
+        [_DLTensorP, _DLTensorP, _DLTensorP, _DLTensorP, _DLTensorP, _DLTensorP, _DLTensorP,
+         _OPTS_P, _VOIDP, _RUN_P],
+    ),
+    "tessera_paged_prefill_v2": (
+        _STATUS, [_DLTensorP, _KV_P, _DLTensorP, _DLTensorP, _DLTensorP, _OPTS_P, _VOIDP, _RUN_P]
+    ),
+    "tessera_decode_v2": (
+        _STATUS, [_DLTensorP, _KV_P, _DLTensorP, _DLTensorP, _OPTS_P, _VOIDP, _RUN_P]
+    ),
     "tessera_apply_rope_inplace": (
         _STATUS, [_DLTensorP, _DLTensorP, _DLTensorP, _ROPE_P, _VOIDP]
     ),

@@ -104,6 +104,7 @@ def varlen_attention(
     lse: Optional[ArrayLike] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: Optional[ArrayLike] = None,
 ) -> Union[ArrayLike, Tuple[ArrayLike, ArrayLike]]:
     """Attention over a ragged (varlen) batch, like FlashAttention's ``flash_attn_varlen_func``.
 
@@ -121,6 +122,10 @@ def varlen_attention(
         softcap: logits soft-cap ``softcap * tanh(s / softcap)``; 0 = off.
         return_lse: also return the log-sum-exp ``[total_q, num_heads]`` float32.
         out, lse: optional preallocated outputs.
+        sinks: optional attention sinks, float32 ``[num_heads]`` on q's device: one logit per
+            query head, in the units of the scaled (and soft-capped) scores, that joins every
+            row's softmax denominator and has no value row (gpt-oss's ``s_aux``, FA4's
+            ``learnable_sink``). A row without keys then gets o = 0, lse = the sink.
 
     Returns:
         ``o`` ``[total_q, num_heads, head_dim]`` in q's dtype, or ``(o, lse)``.
@@ -145,6 +150,7 @@ def varlen_attention(
     lse, lse_dl = _lse_output(q, q_dl, q_shape[:2], lse, return_lse)
     stream = stream_arg(stream_of(q, q_dl))
     library = _capi.lib()
+    run = _capi.run_options(None if sinks is None else to_dl(sinks, "sinks"))
     device_type, device_id = device_of(q_dl)
     if device_type == kDLCUDA and _is_host(cu_seqlens_q) and _is_host(cu_seqlens_k):
         # Plan from the host copies and run: no device-to-host read, no synchronisation.
@@ -166,16 +172,16 @@ def varlen_attention(
         workspace_dl = to_dl(workspace, "workspace", writable=True)
         qo_dl = to_dl(from_numpy(qo_host, q, q_dl), "cu_seqlens_q")
         kv_dl = to_dl(from_numpy(kv_host, q, q_dl), "cu_seqlens_k")
-        check(library.tessera_run_ragged_prefill(
+        check(library.tessera_run_ragged_prefill_v2(
             plan.handle, ref(q_dl), ref(k_dl), ref(v_dl), ref(qo_dl), ref(kv_dl), ref(o_dl),
             ref(lse_dl), workspace_dl.data + workspace_dl.byte_offset, plan.workspace_bytes,
-            stream), _VARLEN_NAMES)
+            stream, ctypes.byref(run)), _VARLEN_NAMES)
     else:
         qo_dl = to_dl(index_array(cu_seqlens_q, "cu_seqlens_q", q, q_dl), "cu_seqlens_q")
         kv_dl = to_dl(index_array(cu_seqlens_k, "cu_seqlens_k", q, q_dl), "cu_seqlens_k")
-        check(library.tessera_ragged_prefill(
+        check(library.tessera_ragged_prefill_v2(
             ref(q_dl), ref(k_dl), ref(v_dl), ref(qo_dl), ref(kv_dl), ref(o_dl), ref(lse_dl),
-            ctypes.byref(options), stream), _VARLEN_NAMES)
+            ctypes.byref(options), stream, ctypes.byref(run)), _VARLEN_NAMES)
     return (out, lse) if return_lse else out
 
 

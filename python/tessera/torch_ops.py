@@ -66,17 +66,17 @@ def _lse_like(q: Tensor, rows_shape: List[int]) -> Tensor:
 def _varlen_attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                          cu_seqlens_k: Tensor, softmax_scale: float, causal: bool,
                          window_left: int, window_right: int, softcap: float, k_scale: float,
-                         v_scale: float) -> Tuple[Tensor, Tensor]:
+                         v_scale: float, sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     o, lse = _attention.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=_scale_or_none(softmax_scale),
         causal=causal, window_size=(window_left, window_right), softcap=softcap,
-        return_lse=True, k_scale=k_scale, v_scale=v_scale)
+        return_lse=True, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     return o, lse
 
 
 @_varlen_attention_op.register_fake
 def _varlen_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
-                           window_left, window_right, softcap, k_scale, v_scale):
+                           window_left, window_right, softcap, k_scale, v_scale, sinks=None):
     return q.new_empty(q.shape), _lse_like(q, [q.shape[0], q.shape[1]])
 
 
@@ -84,12 +84,14 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
                      softmax_scale: Optional[float] = None, causal: bool = False,
                      window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                     return_lse: bool = False, *, k_scale: float = 1.0, v_scale: float = 1.0):
+                     return_lse: bool = False, *, k_scale: float = 1.0, v_scale: float = 1.0,
+                     sinks: Optional[Tensor] = None):
     """:func:`tessera.varlen_attention` as a torch custom op (torch.compile safe).
-    ``q`` ``[total_q, H, D]``, ``k``/``v`` ``[total_k, H_kv, D]``, int32 ``cu_seqlens``."""
+    ``q`` ``[total_q, H, D]``, ``k``/``v`` ``[total_k, H_kv, D]``, int32 ``cu_seqlens``;
+    ``sinks`` optional float32 ``[H]`` attention sinks."""
     o, lse = torch.ops.tessera.varlen_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, 0.0 if softmax_scale is None else softmax_scale,
-        causal, window_size[0], window_size[1], softcap, k_scale, v_scale)
+        causal, window_size[0], window_size[1], softcap, k_scale, v_scale, sinks)
     return (o, lse) if return_lse else o
 
 

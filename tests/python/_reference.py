@@ -208,3 +208,15 @@ class PagedCache:
     def rows(self) -> list:
         return [(self.token_rows(self.k_cache, b), self.token_rows(self.v_cache, b))
                 for b in range(len(self.kv_lens))]
+
+
+def fold_sinks_ref(o: np.ndarray, lse: np.ndarray,
+                   sinks: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Attention sinks (include/tessera/attention.hpp) folded into sink-free (o, lse) in
+    float64: lse' = log(e^lse + e^z) per query head, o' = o e^(lse - lse') (0 for a row without
+    keys, whose lse' is the sink)."""
+    z = np.asarray(sinks, np.float64)[None, :]
+    lse = np.asarray(lse, np.float64)
+    folded = np.logaddexp(lse, z)
+    share = np.where(np.isneginf(lse), 0.0, np.exp(lse - folded))
+    return np.asarray(o, np.float64) * share[..., None], folded

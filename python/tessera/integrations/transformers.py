@@ -357,7 +357,7 @@ def _fast_runner(entry: _DensePlan, shared: _Workspace, device_index: int) -> An
 
 
 def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
-                     options: _capi.AttentionOptions) -> Any:
+                     options: _capi.AttentionOptions, sinks: Optional[Any] = None) -> Any:
     batch, heads, seqlen_q, dim = query.shape
     kv_heads, seqlen_kv = key.shape[1], key.shape[2]
     device = query.device
@@ -380,7 +380,7 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
         shared = _shared_workspace(torch, device, stream, entry)
         workspace, workspace_bytes = shared.buffer, shared.nbytes
         runner = _fast_runner(entry, shared, device_index)
-        if runner is not None:
+        if runner is not None and sinks is None:
             # The C fast path, as the wrappers' run() takes it (tensors described, out allocated
             # and the C run called in one call).
             result = fast_run(runner, (q_rows, (key, value)))
@@ -405,19 +405,23 @@ def _dense_attention(torch: Any, query: Any, key: Any, value: Any,
                   last_page_len, _capi.TESSERA_KV_LAYOUT_HND)
     library = _capi.lib()
     stream_ptr = stream_arg(stream)
+    run = _capi.run_options(None if sinks is None else to_dl(sinks, "s_aux"))
     if entry.decode:
-        check(library.tessera_run_decode(entry.plan.handle, ctypes.byref(q_dl), ctypes.byref(kv),
-                                         ctypes.byref(o_dl), None, workspace.data_ptr(),
-                                         workspace_bytes, stream_ptr))
+        check(library.tessera_run_decode_v2(
+            entry.plan.handle, ctypes.byref(q_dl), ctypes.byref(kv), ctypes.byref(o_dl), None,
+            workspace.data_ptr(), workspace_bytes, stream_ptr, ctypes.byref(run)),
+            {"sinks": "s_aux"})
     else:
-        check(library.tessera_run_paged_prefill(
+        check(library.tessera_run_paged_prefill_v2(
             entry.plan.handle, ctypes.byref(q_dl), ctypes.byref(kv), ctypes.byref(qo_indptr),
-            ctypes.byref(o_dl), None, workspace.data_ptr(), workspace_bytes, stream_ptr))
+            ctypes.byref(o_dl), None, workspace.data_ptr(), workspace_bytes, stream_ptr,
+            ctypes.byref(run)), {"sinks": "s_aux"})
     return out
 
 
 def _padded_attention(torch: Any, query: Any, key: Any, value: Any, ranges, causal: bool,
-                      window_left: int, softcap: float, scaling: Optional[float]) -> Any:
+                      window_left: int, softcap: float, scaling: Optional[float],
+                      sinks: Optional[Any] = None) -> Any:
     batch, heads, seqlen_q, dim = query.shape
     kv_heads, seqlen_kv = key.shape[1], key.shape[2]
     start, stop = ranges
@@ -444,10 +448,29 @@ def _padded_attention(torch: Any, query: Any, key: Any, value: Any, ranges, caus
     v_rows = value.transpose(1, 2).reshape(batch * seqlen_kv, kv_heads, dim).index_select(
         0, k_index_t)
     packed = varlen_attention(q_rows, k_rows, v_rows, cu_q, cu_k, softmax_scale=scaling,
-                              causal=causal, window_size=(window_left, -1), softcap=softcap)
+                              causal=causal, window_size=(window_left, -1), softcap=softcap,
+                              sinks=sinks)
     out = torch.zeros((batch * seqlen_q, heads, dim), dtype=query.dtype, device=device)
     out.index_copy_(0, q_index_t, packed)
     return out.view(batch, seqlen_q, heads, dim)
+
+
+def _sinks_of(torch: Any, kwargs: dict, query: Any) -> Optional[Any]:
+    """gpt-oss's attention sinks (``s_aux``: the module's ``sinks`` parameter, one logit per
+    query head in the units of the scaled scores, concatenated to the logits before the softmax
+    and dropped after it, as Tessera's sinks are defined) as float32 ``[num_heads]`` on the
+    query's device, or None."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    if sinks is None:
+        return None
+    heads = query.shape[1]
+    sinks = sinks.detach().to(device=query.device, dtype=torch.float32).reshape(-1).contiguous()
+    if sinks.shape[0] != heads:
+        raise ValueError(f"'s_aux': expected one sink per query head ({heads}), got "
+                         f"{list(sinks.shape)}")
+    return sinks
 
 
 def tessera_attention_forward(module: Any, query: Any, key: Any, value: Any,
@@ -459,8 +482,7 @@ def tessera_attention_forward(module: Any, query: Any, key: Any, value: Any,
 
     if dropout and getattr(module, "training", False):
         raise ValueError("'dropout': the tessera backend is for inference (dropout must be 0)")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ValueError("'s_aux': attention sinks are not supported by the tessera backend")
+    sinks = _sinks_of(torch, kwargs, query)
     if kwargs.get("output_attentions"):
         raise ValueError("'output_attentions': the tessera backend does not return attention "
                          "weights (use attn_implementation='eager')")
@@ -487,13 +509,14 @@ def tessera_attention_forward(module: Any, query: Any, key: Any, value: Any,
             key.transpose(1, 2).reshape(seqlen_kv, kv_heads, dim),
             value.transpose(1, 2).reshape(seqlen_kv, kv_heads, dim),
             cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), softmax_scale=scaling,
-            causal=bool(is_causal), window_size=(window_left, -1), softcap=softcap)
+            causal=bool(is_causal), window_size=(window_left, -1), softcap=softcap,
+            sinks=sinks)
         return out.view(batch, seqlen_q, heads, dim), None
     ranges = _valid_ranges(torch, attention_mask, batch, seqlen_q, seqlen_kv, causal, window_left)
     if ranges is None:
         options = attention_options(causal, window_left, -1, softcap, scaling)
-        out = _dense_attention(torch, query, key, value, options)
+        out = _dense_attention(torch, query, key, value, options, sinks)
     else:
         out = _padded_attention(torch, query, key, value, ranges, causal, window_left, softcap,
-                                scaling)
+                                scaling, sinks)
     return out, None

@@ -152,6 +152,7 @@ class _Wrapper:
         # the ids of those descriptors, which each entry holds (so the ids are not reused).
         self._derived: dict = {}
         self._run_fn: Any = None  # the C run function, bound by plan()
+        self._run_v2_fn: Any = None  # its *_v2 form (per-call options: sinks)
         self._fast: Any = None  # the C fast path's runner of the current plan (see _fast.py)
         self.reset_workspace_buffer(float_workspace_buffer)
 
@@ -231,6 +232,7 @@ class _Wrapper:
         self._options = options
         self._derived.clear()  # paged-KV structs point at the previous plan's index arrays
         self._run_fn = getattr(_capi.lib(), self._run_symbol)
+        self._run_v2_fn = getattr(_capi.lib(), self._run_symbol + "_v2")
         for put in staged:
             put()
         self._arm_fast()
@@ -307,6 +309,15 @@ class _Wrapper:
             else:
                 lse_dl = cached_dl(lse, "lse", True)
         return out, o_dl, lse, lse_dl
+
+    def _invoke(self, sinks: Optional[ArrayLike], *args: Any) -> int:
+        """The C run call with ``args``; with attention sinks (float32 ``[num_qo_heads]`` on
+        q's device, validated by the C ABI) its *_v2 form. Calls with sinks take this ctypes
+        path, never the C fast path."""
+        if sinks is None:
+            return self._run_fn(*args)
+        options = _capi.run_options(cached_dl(sinks, "sinks"))
+        return self._run_v2_fn(*args, ctypes.byref(options))
 
     def _stream(self, q: ArrayLike, q_dl: DLTensor) -> Optional[ctypes.c_void_p]:
         return stream_arg(stream_of(q, q_dl))

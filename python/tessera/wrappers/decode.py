@@ -117,10 +117,13 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             k_scale: Optional[float] = None, v_scale: Optional[float] = None,
             out: Optional[ArrayLike] = None, lse: Optional[ArrayLike] = None,
             return_lse: bool = False, enable_pdl: Optional[bool] = None,
-            window_left: Optional[int] = None
+            window_left: Optional[int] = None, sinks: Optional[ArrayLike] = None
             ) -> Union[ArrayLike, Tuple[ArrayLike, ArrayLike]]:
         """Runs the plan: ``o`` ``[batch_size * q_per_request, num_qo_heads, head_dim]`` in q's
-        dtype, or ``(o, lse)`` with ``lse`` float32 ``[rows, num_qo_heads]``."""
+        dtype, or ``(o, lse)`` with ``lse`` float32 ``[rows, num_qo_heads]``.
+        ``sinks`` (FlashInfer's run argument): optional attention sinks, float32
+        ``[num_qo_heads]`` on q's device, one logit per query head that joins every row's softmax
+        denominator (gpt-oss); calls with sinks take the ctypes path."""
         del enable_pdl
         plan = self._plan
         if plan is None:
@@ -133,7 +136,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
                              f"{self._options.window_left}; pass it to plan()")
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
-        if self._fast is not None:
+        if self._fast is not None and sinks is None:
             result = self._run_fast((q, paged_kv_cache), out, lse, return_lse)
             if result is not NOT_SERVED:
                 return result
@@ -142,8 +145,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
         if self._watch_capture:
             self._note_capture()
-        status = self._run_fn(
-            plan.handle, q_dl, kv, o_dl, lse_dl, self._workspace_ptr, self._workspace_bytes,
+        status = self._invoke(
+            sinks, plan.handle, q_dl, kv, o_dl, lse_dl, self._workspace_ptr, self._workspace_bytes,
             None if q_dl._cuda is None else self._stream(q, q_dl))
         if status:
             check(status, _RUN_NAMES)

@@ -119,16 +119,19 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
     def run(self, q: ArrayLike, paged_kv_cache: Any, *, k_scale: Optional[float] = None,
             v_scale: Optional[float] = None, out: Optional[ArrayLike] = None,
             lse: Optional[ArrayLike] = None, return_lse: bool = False,
-            enable_pdl: Optional[bool] = None
+            enable_pdl: Optional[bool] = None, sinks: Optional[ArrayLike] = None
             ) -> Union[ArrayLike, Tuple[ArrayLike, ArrayLike]]:
-        """Runs the plan: ``o`` ``[total_q, num_qo_heads, head_dim]``, or ``(o, lse)``."""
+        """Runs the plan: ``o`` ``[total_q, num_qo_heads, head_dim]``, or ``(o, lse)``.
+        ``sinks`` (FlashInfer's run argument): optional attention sinks, float32
+        ``[num_qo_heads]`` on q's device, one logit per query head that joins every row's softmax
+        denominator (gpt-oss); calls with sinks take the ctypes path."""
         del enable_pdl
         plan = self._plan
         if plan is None:
             self._require_plan()
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
-        if self._fast is not None:
+        if self._fast is not None and sinks is None:
             result = self._run_fast((q, paged_kv_cache), out, lse, return_lse)
             if result is not NOT_SERVED:
                 return result
@@ -137,8 +140,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         out, o_dl, lse, lse_dl = self._outputs(q, q_dl, out, lse, return_lse)
         if self._watch_capture:
             self._note_capture()
-        status = self._run_fn(
-            plan.handle, q_dl, kv, self._qo_indptr.dl, o_dl, lse_dl, self._workspace_ptr,
+        status = self._invoke(
+            sinks, plan.handle, q_dl, kv, self._qo_indptr.dl, o_dl, lse_dl, self._workspace_ptr,
             self._workspace_bytes, None if q_dl._cuda is None else self._stream(q, q_dl))
         if status:
             check(status, _RUN_NAMES)

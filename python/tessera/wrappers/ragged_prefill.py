@@ -118,17 +118,20 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
     def run(self, q: ArrayLike, k: ArrayLike, v: ArrayLike, out: Optional[ArrayLike] = None,
             lse: Optional[ArrayLike] = None, return_lse: bool = False, *,
             k_scale: Optional[float] = None, v_scale: Optional[float] = None,
-            enable_pdl: Optional[bool] = None
+            enable_pdl: Optional[bool] = None, sinks: Optional[ArrayLike] = None
             ) -> Union[ArrayLike, Tuple[ArrayLike, ArrayLike]]:
         """Runs the plan: returns ``o`` ``[total_q, num_qo_heads, head_dim]`` (q's dtype), or
-        ``(o, lse)`` with ``lse`` ``[total_q, num_qo_heads]`` float32 when ``return_lse``."""
+        ``(o, lse)`` with ``lse`` ``[total_q, num_qo_heads]`` float32 when ``return_lse``.
+        ``sinks`` (FlashInfer's run argument): optional attention sinks, float32
+        ``[num_qo_heads]`` on q's device, one logit per query head that joins every row's softmax
+        denominator (gpt-oss); calls with sinks take the ctypes path."""
         del enable_pdl
         plan = self._plan
         if plan is None:
             self._require_plan()
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
-        if self._fast is not None:
+        if self._fast is not None and sinks is None:
             result = self._run_fast((q, k, v), out, lse, return_lse)
             if result is not NOT_SERVED:
                 return result
@@ -141,8 +144,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         if self._watch_capture:
             self._note_capture()
         # Descriptors are passed as ctypes instances (ctypes passes them by reference).
-        status = self._run_fn(
-            plan.handle, q_dl, k_dl, v_dl, self._qo_indptr.dl, self._kv_indptr.dl, o_dl, lse_dl,
+        status = self._invoke(
+            sinks, plan.handle, q_dl, k_dl, v_dl, self._qo_indptr.dl, self._kv_indptr.dl, o_dl, lse_dl,
             self._workspace_ptr, self._workspace_bytes,
             None if q_dl._cuda is None else self._stream(q, q_dl))
         if status:
