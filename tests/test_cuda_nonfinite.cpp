@@ -47,6 +47,8 @@ namespace {
 
 using test::AttentionBuffers;
 using test::AttentionCase;
+using test::hopper;
+using test::last_kernel;
 using test::DeviceBuffer;
 using test::kGpu;
 using test::NonfiniteCase;
@@ -60,17 +62,8 @@ using test::reduced_run;
 // outputs are held to 1e-2 relative L2, as in test_cuda_prefill.
 constexpr double kOutputTolerance = 1e-2;
 
-bool hopper() {
-  return detail::cuda_device_info(kGpu.index).sm_major == 9;
-}
-
 Outputs run_hand_made(AttentionBuffers& buffers, const test::TestPlanOptions& options) {
   return test::run_hand_made_on_gpu(buffers, options);
-}
-
-std::string last_kernel(const AttentionCase& c) {
-  return test::op_of(c) == AttentionOp::kDecode ? detail::cuda_last_decode_kernel()
-                                                : detail::cuda_last_prefill_kernel();
 }
 
 struct PointChecks {

@@ -43,6 +43,8 @@ namespace {
 
 using test::AttentionBuffers;
 using test::AttentionCase;
+using test::hopper;
+using test::last_kernel;
 using test::kGpu;
 using test::Outputs;
 using test::reduced_run;
@@ -53,13 +55,6 @@ using test::SinksShape;
 // P is rounded to the input dtype before P x V on the GPU (FlashAttention-2), so fp16/bf16
 // outputs are held to 1e-2 relative L2, as in test_cuda_prefill.
 constexpr double kOutputTolerance = 1e-2;
-
-bool hopper() { return detail::cuda_device_info(kGpu.index).sm_major == 9; }
-
-std::string last_kernel(const AttentionCase& c) {
-  return test::op_of(c) == AttentionOp::kDecode ? detail::cuda_last_decode_kernel()
-                                                : detail::cuda_last_prefill_kernel();
-}
 
 struct PointChecks {
   bool expect_planner_split = false;  // the public plan must split some key range

@@ -1,9 +1,14 @@
-// A hand-made plan (make_test_plan) of an attention case through the CUDA backend's entry
+// What the GPU attention tests share beyond gpu_test_support.hpp: whether the device is Hopper,
+// the kernel that served the last run of a case, and
+// a hand-made plan (make_test_plan) of an attention case through the CUDA backend's entry
 // (cuda_run_attention uploads and dispatches), over device copies of the case's bytes (NaN
 // padding, spare pages and sinks included), with NaN-filled outputs and workspace. Shared by the
 // GPU tests that check split-KV partials and merges on every row. Header-only; CUDA builds only.
 #pragma once
 
+#include <string>
+
+#include "common/api_runner.hpp"
 #include "common/attention_testing.hpp"
 #include "common/gpu_test_support.hpp"
 
@@ -12,6 +17,14 @@
 #include "cuda/cuda_backend.hpp"
 
 namespace tessera::test {
+
+inline bool hopper() { return detail::cuda_device_info(kGpu.index).sm_major == 9; }
+
+// The kernel of the last decode (for a decode case) or prefill launch.
+inline std::string last_kernel(const AttentionCase& c) {
+  return op_of(c) == AttentionOp::kDecode ? detail::cuda_last_decode_kernel()
+                                          : detail::cuda_last_prefill_kernel();
+}
 
 inline Outputs run_hand_made_on_gpu(AttentionBuffers& buffers, const TestPlanOptions& options) {
   Plan plan = make_test_plan(buffers.test_case, options);

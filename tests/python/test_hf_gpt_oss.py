@@ -16,6 +16,7 @@ except ImportError:
     pytest.skip("this transformers has no gpt_oss", allow_module_level=True)
 
 import tessera.integrations.transformers as tessera_hf  # noqa: E402
+from _hf import set_attention  # noqa: E402
 
 try:
     tessera_hf.register()
@@ -23,13 +24,6 @@ except ImportError as error:
     pytest.skip(f"transformers too old: {error}", allow_module_level=True)
 
 SLIDING_WINDOW = 16
-
-
-def set_attention(model, name: str) -> None:
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:
-        model.config._attn_implementation = name
 
 
 @pytest.fixture(scope="module")

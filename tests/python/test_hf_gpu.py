@@ -17,18 +17,12 @@ if tessera.cuda_device_count() == 0:
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import tessera.integrations.transformers as tessera_hf  # noqa: E402
+from _hf import set_attention  # noqa: E402
 
 try:
     tessera_hf.register()
 except ImportError as error:
     pytest.skip(f"transformers too old: {error}", allow_module_level=True)
-
-
-def set_attention(model, name: str) -> None:
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:
-        model.config._attn_implementation = name
 
 
 @pytest.fixture(scope="module")
