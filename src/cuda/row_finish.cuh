@@ -5,7 +5,9 @@
 //  * a NaN or +inf score made base and sum NaN (ptx::max_nan): o and lse NaN;
 //  * with a sink logit z (natural-log units, problem.sinks): the denominator gains e^z, which
 //    has no value row: with t = z log2(e) and M = max(base, t),
-//      sum' = sum 2^(base - M) + 2^(t - M),  factor = 2^(base - M) / sum',  lse = (M + log2 sum') ln 2.
+//      sum' = sum 2^(base - M) + 2^(t - M),  factor = 2^(base - M) / sum',
+//      lse = (M + log2 sum') ln 2;
+//    a sink of -inf is no sink.
 //    A row without keys then gets o = 0 and lse = z.
 #pragma once
 
@@ -29,6 +31,7 @@ __device__ __forceinline__ RowFinish finish_row(float base, float sum) {
 }
 
 __device__ __forceinline__ RowFinish finish_row_with_sink(float base, float sum, float sink) {
+  if (sink == -INFINITY) return finish_row(base, sum);  // e^-inf = 0: no sink (no -inf - -inf)
   constexpr float kLn2 = std::numbers::ln2_v<float>;
   const float t = sink * std::numbers::log2e_v<float>;
   const float top = ptx::max_nan(base, t);

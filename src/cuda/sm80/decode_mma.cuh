@@ -51,7 +51,11 @@ struct DecodeMmaTraits {
   static constexpr int kCopyBytes = 16;
   static constexpr int kCopiesPerRow = kRowBytes / kCopyBytes;
   static constexpr int kRowsPerCopyPass = kNumThreads / kCopiesPerRow;
-  static constexpr int kCopyPasses = kTileKeys / kRowsPerCopyPass;
+  // Passes of the copy loop; a CTA with more threads than one tile's chunks (wide row tiles at
+  // d64) copies the tile in one pass with the surplus threads idle.
+  static constexpr int kCopyPasses =
+      kTileKeys >= kRowsPerCopyPass ? kTileKeys / kRowsPerCopyPass : 1;
+  static constexpr bool kCopySurplus = kTileKeys < kRowsPerCopyPass;
   static constexpr int kKSteps = kHeadDim / 16;  // k-steps of Q K^T, d-pairs of P V
   static constexpr int kDTiles = kHeadDim / 8;   // n-tiles of O
 
@@ -78,7 +82,8 @@ struct DecodeMmaTraits {
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "instantiated head_dims");
   static_assert(kCopiesPerRow >= 8, "the XOR swizzle needs 8 chunks per row");
-  static_assert(kTileKeys % kRowsPerCopyPass == 0, "whole copy passes per tile");
+  static_assert(kTileKeys % kRowsPerCopyPass == 0 || kRowsPerCopyPass % kTileKeys == 0,
+                "whole copy passes per tile");
   static_assert(kTileKeys <= kNumThreads, "one thread prefetches one key row's page");
   static_assert(kRowTiles == 1 || kFullRows, "row tiles are full m16 tiles");
 
@@ -134,6 +139,9 @@ __device__ __forceinline__ void issue_tile_copies_swizzled(const DecodeArgs& arg
 #pragma unroll
   for (int pass = 0; pass < Traits::kCopyPasses; ++pass) {
     const int row = threadIdx.x / Traits::kCopiesPerRow + pass * Traits::kRowsPerCopyPass;
+    if constexpr (Traits::kCopySurplus) {
+      if (row >= Traits::kTileKeys) break;
+    }
     const longlong2 offset = offsets[row];
     const uint32_t valid = offset.x >= 0 ? chunk_bytes : 0u;
     const uint32_t shared_byte =
@@ -543,11 +551,12 @@ void add_decode_mma_rows(KernelRows& rows) {
     add_decode_mma_variants<kHeadDim, false>(rows);
     add_decode_mma_variants<kHeadDim, true>(rows);
     // 32 rows: 2 row tiles x 2 key warps (128 threads, 4 stages of 32 keys); 64: 4 x 2 (256,
-    // 6 stages); 128: 8 x 1 (256, 10 stages of 16 keys). At ~170 registers a 256-thread CTA is
-    // alone on its SM, so the deeper rings keep ~80 KiB of K/V in flight there.
+    // 6 stages); 128: 8 x 1 (256, 9 stages of 16 keys: cp.async.wait_group takes <= 7). At ~170
+    // registers a 256-thread CTA is alone on its SM, so the deeper rings keep 56-80 KiB of K/V
+    // in flight there.
     rows.push_back(decode_mma_wide_row<kHeadDim, 2, 4, 2>());
     rows.push_back(decode_mma_wide_row<kHeadDim, 2, 6, 4>());
-    rows.push_back(decode_mma_wide_row<kHeadDim, 1, 10, 8>());
+    rows.push_back(decode_mma_wide_row<kHeadDim, 1, 9, 8>());
   }
 }
 
