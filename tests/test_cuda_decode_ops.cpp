@@ -233,12 +233,13 @@ AttentionCase random_decode_case(std::mt19937_64& rng, const DecodeCaseOptions& 
 }
 
 // Runs `plan` through the public run_decode with a NaN-filled workspace.
-Outputs run_public(AttentionBuffers& buffers, DeviceDecodeCase& device, const Plan& plan) {
+Outputs run_public(AttentionBuffers& buffers, DeviceDecodeCase& device, const Plan& plan,
+                   const RunOptions& run_options = {}) {
   device.poison_outputs(buffers);
   DeviceBuffer workspace(plan.workspace_bytes);
   detail::cuda_memset(workspace.data(), 0xff, workspace.bytes(), nullptr);
   run_decode(plan, device.q_view(), device.paged_cache(), device.o_view(), device.lse_view(),
-             Workspace{workspace.data(), workspace.bytes()}, nullptr);
+             Workspace{workspace.data(), workspace.bytes()}, nullptr, run_options);
   detail::cuda_synchronize(nullptr);
   return device.download();
 }
@@ -463,6 +464,63 @@ TEST(CudaDecode, WideGroupsRunOnTensorCores) {
         if (::testing::Test::HasFatalFailure()) return;
       }
     }
+  }
+}
+
+// Programmatic dependent launch (RunOptions::enable_pdl): the same bits as the ordinary launch
+// on every kernel family (mma.sync narrow and row-tile rows, CUDA-core d256 and fp8, a split
+// with the fused merge), back to back with a previous kernel still running (the first run's),
+// and from a CUDA graph that chains two PDL launches.
+TEST(CudaDecode, PdlLaunchMatchesTheOrdinaryOne) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 17);
+  RunOptions pdl;
+  pdl.enable_pdl = true;
+  const AttentionCase cases[] = {
+      decode_case({300, 1, 77, 4000}, 1, 32, 8, 128, DType::kBFloat16, DType::kBFloat16),
+      decode_case({300, 77}, 2, 64, 1, 128, DType::kFloat16, DType::kFloat16),
+      decode_case({300, 77}, 1, 16, 4, 256, DType::kBFloat16, DType::kBFloat16),
+      decode_case({513, 64}, 1, 8, 2, 128, DType::kBFloat16, DType::kFloat8E4M3)};
+  for (const AttentionCase& c : cases) {
+    SCOPED_TRACE(c.describe());
+    AttentionBuffers buffers = test::make_buffers(c, rng);
+    const Outputs expected = run_reference(buffers);
+    DeviceDecodeCase device(buffers);
+    const Plan plan =
+        plan_decode(buffers.page_indptr, buffers.last_page_len, c.page_size, c.num_qo_heads,
+                    c.num_kv_heads, c.head_dim, options_of(c), kGpu, q_per_request(c));
+    const Outputs ordinary = run_public(buffers, device, plan);
+    const Outputs programmatic = run_public(buffers, device, plan, pdl);
+    expect_close(buffers, programmatic, expected, "PDL launch");
+    EXPECT_TRUE(programmatic.o == ordinary.o && programmatic.lse == ordinary.lse)
+        << "the PDL launch changed bits";
+
+    // Two PDL launches back to back in one captured graph (the second waits for the first).
+    Plan uploaded = plan;
+    DeviceBuffer workspace(plan.workspace_bytes);
+    const Workspace space{workspace.data(), workspace.bytes()};
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    upload_plan(uploaded, space, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    device.poison_outputs(buffers);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    for (int i = 0; i < 2; ++i) {
+      run_decode(uploaded, device.q_view(), device.paged_cache(), device.o_view(),
+                 device.lse_view(), space, stream, pdl);
+    }
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const Outputs replayed = device.download();
+    EXPECT_TRUE(replayed.o == ordinary.o && replayed.lse == ordinary.lse)
+        << "the graph of PDL launches changed bits";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
   }
 }
 

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <iterator>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -194,7 +195,8 @@ Plan forced_split_plan(const AttentionCase& c, int32_t num_workers) {
 }
 
 // Runs `plan` through run_ragged_prefill / run_paged_prefill with a NaN-filled workspace.
-Outputs run_public(AttentionBuffers& buffers, DeviceCase& device, const Plan& plan) {
+Outputs run_public(AttentionBuffers& buffers, DeviceCase& device, const Plan& plan,
+                   const RunOptions& run_options = {}) {
   device.poison_outputs(buffers);
   DeviceBuffer workspace(plan.workspace_bytes);
   detail::cuda_memset(workspace.data(), 0xff, workspace.bytes(), nullptr);
@@ -205,11 +207,11 @@ Outputs run_public(AttentionBuffers& buffers, DeviceCase& device, const Plan& pl
                        device.ragged_kv_view(device.v),
                        device.index_view(device.qo_indptr, c.batch_size() + 1),
                        device.index_view(device.kv_indptr, c.batch_size() + 1), device.o_view(),
-                       device.lse_view(), space, nullptr);
+                       device.lse_view(), space, nullptr, run_options);
   } else {
     run_paged_prefill(plan, device.q_view(), device.paged_cache(),
                       device.index_view(device.qo_indptr, c.batch_size() + 1), device.o_view(),
-                      device.lse_view(), space, nullptr);
+                      device.lse_view(), space, nullptr, run_options);
   }
   detail::cuda_synchronize(nullptr);
   return device.download();
@@ -418,6 +420,41 @@ TEST(CudaPrefill, AFewPlainShapes) {
       check_case(manual_case({128}, {128}, 1, 1, head_dim, dtype), rng);
       check_case(manual_case({128}, {256}, 2, 2, head_dim, dtype), rng);
       check_case(manual_case({200, 37}, {333, 1000}, 8, 2, head_dim, dtype), rng);
+    }
+  }
+}
+
+// Programmatic dependent launch (RunOptions::enable_pdl): the same bits as the ordinary launch,
+// on the sm90 kernels (ragged, paged) and the sm80 ones, and with a split plan (merge kernel
+// after a PDL-launched attention kernel).
+TEST(CudaPrefill, PdlLaunchMatchesTheOrdinaryOne) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 23);
+  RunOptions pdl;
+  pdl.enable_pdl = true;
+  for (const bool paged : {false, true}) {
+    AttentionCase c = manual_case({200, 37, 640}, {333, 1000, 640}, 16, 4, 128, DType::kBFloat16);
+    c.causal = true;
+    c.paged = paged;
+    c.page_size = 16;
+    c = make_gpu_case(c);
+    SCOPED_TRACE(paged ? "paged" : "ragged");
+    AttentionBuffers buffers = test::make_buffers(c, rng);
+    const Outputs expected = run_reference(buffers);
+    DeviceCase device(buffers);
+    for (const bool portable : {false, true}) {
+      std::optional<ForcePortablePrefill> force;
+      if (portable) force.emplace();
+      for (const bool split : {false, true}) {
+        const Plan plan = split ? forced_split_plan(c, 97) : public_plan(buffers);
+        const Outputs ordinary = run_public(buffers, device, plan);
+        const Outputs programmatic = run_public(buffers, device, plan, pdl);
+        const std::string run = std::string(portable ? "sm80" : "default") +
+                                (split ? " split plan" : " plan") + " with PDL";
+        expect_close(buffers, programmatic, expected, run);
+        EXPECT_TRUE(programmatic.o == ordinary.o && programmatic.lse == ordinary.lse)
+            << run << " changed bits";
+      }
     }
   }
 }

@@ -272,8 +272,14 @@ void forget_uploads(const void* workspace);
 //    is captured into a CUDA graph: a graph captured with sinks reads that buffer at every
 //    replay (write new values into it, never pass another one), and one captured without sinks
 //    never folds any.
+//  * enable_pdl: programmatic dependent launch (FlashInfer's enable_pdl; sm_90+ CUDA only,
+//    ignored elsewhere). The attention kernel may start while the previous kernel in the stream
+//    is still running (its launch and set-up overlap that kernel's tail) and waits for it
+//    (griddepcontrol.wait) before it reads or writes any tensor; it lets the next
+//    programmatically launched kernel start the same way. Works inside CUDA graphs.
 struct RunOptions {
   TensorView sinks;
+  bool enable_pdl = false;
 };
 
 // ---- run (never allocates, never synchronises the host on GPU) ----

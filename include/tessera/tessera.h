@@ -203,13 +203,17 @@ TESSERA_API tessera_status tessera_run_decode(const tessera_plan* plan, const DL
  *    logit per query head, in the units of the scaled (and soft-capped) scores, that joins each
  *    row's softmax denominator and has no value row (gpt-oss's s_aux; include/tessera/
  *    attention.hpp). A row without keys gets o = 0, lse = the sink. Captured into a CUDA graph
- *    like q (the graph reads that buffer at every replay). */
+ *    like q (the graph reads that buffer at every replay).
+ *  - enable_pdl: nonzero for a programmatic dependent launch (sm_90+ CUDA; ignored elsewhere):
+ *    the kernel may start while the previous kernel in the stream runs and waits for it before
+ *    touching any tensor (include/tessera/attention.hpp, RunOptions). */
 typedef struct tessera_run_options {
   size_t struct_size;
   const DLTensor* sinks;
+  int32_t enable_pdl;
 } tessera_run_options;
 
-/* Fills the defaults: struct_size = sizeof(tessera_run_options), no sinks. */
+/* Fills the defaults: struct_size = sizeof(tessera_run_options), no sinks, no PDL. */
 TESSERA_API void tessera_run_options_default(tessera_run_options* run_options);
 
 /* The run calls above with per-call options (the versions without _v2 are these with NULL). */

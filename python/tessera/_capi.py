@@ -146,15 +146,18 @@ class PagedKV(ctypes.Structure):
 
 
 class RunOptions(ctypes.Structure):
-    """``tessera_run_options`` (per-call options of the *_v2 calls: attention sinks)."""
+    """``tessera_run_options`` (per-call options of the *_v2 calls: attention sinks, PDL)."""
 
-    _fields_ = [("struct_size", ctypes.c_size_t), ("sinks", _DLTensorP)]
+    _fields_ = [("struct_size", ctypes.c_size_t), ("sinks", _DLTensorP),
+                ("enable_pdl", ctypes.c_int32)]
 
 
-def run_options(sinks_dl: Optional[DLTensor]) -> RunOptions:
-    """A ``tessera_run_options`` whose sinks are ``sinks_dl`` (None: none)."""
+def run_options(sinks_dl: Optional[DLTensor], enable_pdl: bool = False) -> RunOptions:
+    """A ``tessera_run_options`` whose sinks are ``sinks_dl`` (None: none), with programmatic
+    dependent launch when ``enable_pdl``."""
     return RunOptions(ctypes.sizeof(RunOptions),
-                      None if sinks_dl is None else ctypes.pointer(sinks_dl))
+                      None if sinks_dl is None else ctypes.pointer(sinks_dl),
+                      1 if enable_pdl else 0)
 
 
 # ---------------------------------------------------------------------------------------------

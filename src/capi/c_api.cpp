@@ -123,6 +123,10 @@ class Converter {
       return result;
     }
     result.sinks = optional(options->sinks, "sinks");
+    if (options->struct_size >=
+        offsetof(tessera_run_options, enable_pdl) + sizeof(options->enable_pdl)) {
+      result.enable_pdl = options->enable_pdl != 0;
+    }
     return result;
   }
 
@@ -325,6 +329,7 @@ void tessera_run_options_default(tessera_run_options* run_options) {
   if (run_options == nullptr) return;
   run_options->struct_size = sizeof(tessera_run_options);
   run_options->sinks = nullptr;
+  run_options->enable_pdl = 0;
 }
 
 void tessera_rope_options_default(tessera_rope_options* options) {

@@ -161,9 +161,10 @@ void check_q_o_lse(const ArgChecker& check, const Plan& plan, const TensorView& 
 }
 
 // RunOptions::sinks: float32 [num_qo_heads], contiguous, on the plan's device (or absent).
-// Sets problem.sinks.
+// Sets problem.sinks, and problem.enable_pdl.
 void set_sinks(const ArgChecker& check, const Plan& plan, const RunOptions& run_options,
                AttentionProblem& problem) {
+  problem.enable_pdl = run_options.enable_pdl;
   const TensorView& sinks = run_options.sinks;
   if (!has_value(sinks)) return;
   // tensor(): a unit stride on the (only) dim, data for the num_qo_heads >= 1 elements.

@@ -133,6 +133,10 @@ struct AttentionProblem {
   // softmax denominator and has no value row. Folded in where a row is finished (never into a
   // split-KV partial: the merge folds it once).
   const float* sinks = nullptr;
+  // Programmatic dependent launch (RunOptions::enable_pdl): the CUDA kernels are launched so they
+  // may start while the previous kernel in the stream runs, and wait for it (griddepcontrol.wait)
+  // before touching memory; ignored on the CPU and below sm_90.
+  bool enable_pdl = false;
 
   float sm_scale = 0.0f;  // resolved (never 0)
   float soft_cap = 0.0f;  // 0: off

@@ -26,18 +26,34 @@ struct KernelEntry {
   }
 
   // `workers` CTAs on `stream` (nothing for none); throws naming the kernel and launch shape.
-  static void launch(const Params& params, int32_t workers, void* stream) {
+  // pdl: a programmatic dependent launch (the kernels wait for the previous kernel with
+  // griddepcontrol.wait before touching memory; ptx/grid_dependency.cuh).
+  static void launch(const Params& params, int32_t workers, void* stream, bool pdl) {
     if (workers <= 0) return;
     enable_smem();
     const dim3 grid(static_cast<unsigned>(workers));
     const dim3 block(Traits::kNumThreads);
-    Kernel<<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(params);
+    if (!pdl) {
+      Kernel<<<grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(params);
+    } else {
+      cudaLaunchAttribute attribute{};
+      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      cudaLaunchConfig_t config{};
+      config.gridDim = grid;
+      config.blockDim = block;
+      config.dynamicSmemBytes = Traits::kSmemBytes;
+      config.stream = static_cast<cudaStream_t>(stream);
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      check_cuda(cudaLaunchKernelEx(&config, Kernel, params), Name());
+    }
     check_kernel_launch(Name(), grid, block, Traits::kSmemBytes);
   }
 
-  // Params that carry their grid (PrefillArgs, DecodeArgs: num_workers): the registry's launch.
+  // Params that carry their grid and problem (PrefillArgs, DecodeArgs): the registry's launch.
   static void launch_workers(const Params& params, void* stream) {
-    launch(params, params.num_workers, stream);
+    launch(params, params.num_workers, stream, params.problem.enable_pdl);
   }
 
   // The registry instance of this kernel for (q, K/V) dtypes, without its launch pointer (the

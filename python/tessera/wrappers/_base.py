@@ -310,13 +310,15 @@ class _Wrapper:
                 lse_dl = cached_dl(lse, "lse", True)
         return out, o_dl, lse, lse_dl
 
-    def _invoke(self, sinks: Optional[ArrayLike], *args: Any) -> int:
+    def _invoke(self, sinks: Optional[ArrayLike], enable_pdl: Optional[bool], *args: Any) -> int:
         """The C run call with ``args``; with attention sinks (float32 ``[num_qo_heads]`` on
-        q's device, validated by the C ABI) its *_v2 form. Calls with sinks take this ctypes
-        path, never the C fast path."""
-        if sinks is None:
+        q's device, validated by the C ABI) or ``enable_pdl`` (programmatic dependent launch,
+        FlashInfer's run argument) its *_v2 form. Such calls take this ctypes path, never the
+        C fast path."""
+        if sinks is None and not enable_pdl:
             return self._run_fn(*args)
-        options = _capi.run_options(cached_dl(sinks, "sinks"))
+        options = _capi.run_options(None if sinks is None else cached_dl(sinks, "sinks"),
+                                    bool(enable_pdl))
         return self._run_v2_fn(*args, ctypes.byref(options))
 
     def _stream(self, q: ArrayLike, q_dl: DLTensor) -> Optional[ctypes.c_void_p]:

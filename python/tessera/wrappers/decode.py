@@ -123,8 +123,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         dtype, or ``(o, lse)`` with ``lse`` float32 ``[rows, num_qo_heads]``.
         ``sinks`` (FlashInfer's run argument): optional attention sinks, float32
         ``[num_qo_heads]`` on q's device, one logit per query head that joins every row's softmax
-        denominator (gpt-oss); calls with sinks take the ctypes path."""
-        del enable_pdl
+        denominator (gpt-oss). ``enable_pdl``: programmatic dependent launch (sm_90+; the
+        kernel overlaps the previous kernel's tail and waits for it before touching memory).
+        Calls with either take the ctypes path."""
         plan = self._plan
         if plan is None:
             self._require_plan()
@@ -136,7 +137,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
                              f"{self._options.window_left}; pass it to plan()")
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
-        if self._fast is not None and sinks is None:
+        if self._fast is not None and sinks is None and not enable_pdl:
             result = self._run_fast((q, paged_kv_cache), out, lse, return_lse)
             if result is not NOT_SERVED:
                 return result
@@ -146,7 +147,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         if self._watch_capture:
             self._note_capture()
         status = self._invoke(
-            sinks, plan.handle, q_dl, kv, o_dl, lse_dl, self._workspace_ptr, self._workspace_bytes,
+            sinks, enable_pdl, plan.handle, q_dl, kv, o_dl, lse_dl, self._workspace_ptr,
+            self._workspace_bytes,
             None if q_dl._cuda is None else self._stream(q, q_dl))
         if status:
             check(status, _RUN_NAMES)

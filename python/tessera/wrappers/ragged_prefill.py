@@ -124,14 +124,15 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         ``(o, lse)`` with ``lse`` ``[total_q, num_qo_heads]`` float32 when ``return_lse``.
         ``sinks`` (FlashInfer's run argument): optional attention sinks, float32
         ``[num_qo_heads]`` on q's device, one logit per query head that joins every row's softmax
-        denominator (gpt-oss); calls with sinks take the ctypes path."""
-        del enable_pdl
+        denominator (gpt-oss). ``enable_pdl``: programmatic dependent launch (sm_90+; the
+        kernel overlaps the previous kernel's tail and waits for it before touching memory).
+        Calls with either take the ctypes path."""
         plan = self._plan
         if plan is None:
             self._require_plan()
         if k_scale is not None or v_scale is not None:
             self._scales(k_scale, v_scale)
-        if self._fast is not None and sinks is None:
+        if self._fast is not None and sinks is None and not enable_pdl:
             result = self._run_fast((q, k, v), out, lse, return_lse)
             if result is not NOT_SERVED:
                 return result
@@ -145,7 +146,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             self._note_capture()
         # Descriptors are passed as ctypes instances (ctypes passes them by reference).
         status = self._invoke(
-            sinks, plan.handle, q_dl, k_dl, v_dl, self._qo_indptr.dl, self._kv_indptr.dl, o_dl, lse_dl,
+            sinks, enable_pdl, plan.handle, q_dl, k_dl, v_dl, self._qo_indptr.dl,
+            self._kv_indptr.dl, o_dl, lse_dl,
             self._workspace_ptr, self._workspace_bytes,
             None if q_dl._cuda is None else self._stream(q, q_dl))
         if status:

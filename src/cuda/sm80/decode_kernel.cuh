@@ -32,6 +32,7 @@
 #include "cuda/kernel_registry.hpp"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/cp_async_sized.cuh"
+#include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/ptx/math.cuh"
 #include "cuda/ptx/shared_memory.cuh"
 #include "cuda/ptx/shuffle.cuh"
@@ -300,6 +301,10 @@ __global__ void __launch_bounds__(Policy::Traits::kNumThreads)
   extern __shared__ __align__(16) uint8_t shared[];
   const int32_t begin = args.worker_indptr[blockIdx.x];
   const int32_t end = args.worker_indptr[blockIdx.x + 1];
+  // Programmatic launch (ptx/grid_dependency.cuh): the plan's lists were uploaded before the
+  // previous kernel; everything else (q, K/V, o, the split scratch and merge counters) waits.
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   typename Policy::Cta cta;
   for (int32_t index = begin; index < end; ++index) {
     Policy::run_item(args, index, end, shared, cta);

@@ -38,6 +38,7 @@
 #include "cuda/cuda_utils.hpp"
 #include "cuda/kernel_entry.cuh"
 #include "cuda/kernel_registry.hpp"
+#include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/ptx/cp_async.cuh"
 #include "cuda/ptx/ldmatrix.cuh"
 #include "cuda/ptx/math.cuh"
@@ -387,6 +388,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, Traits::kMinCtasPerSm)
   const int worker = blockIdx.x;
   const int32_t work_begin = args.worker_indptr[worker];
   const int32_t work_end = args.worker_indptr[worker + 1];
+  // Programmatic launch (ptx/grid_dependency.cuh): only the plan's lists are read before this.
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   const int32_t group = args.problem.group_size();
   for (int32_t w = work_begin; w < work_end; ++w) {
     const WorkItem item = args.work[w];

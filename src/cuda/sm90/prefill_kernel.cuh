@@ -23,6 +23,7 @@
 #include "cuda/cuda_utils.hpp"
 #include "cuda/kernel_entry.cuh"
 #include "cuda/kernel_registry.hpp"
+#include "cuda/ptx/grid_dependency.cuh"
 #include "cuda/ptx/mbarrier.cuh"
 #include "cuda/ptx/shared_memory.cuh"
 #include "cuda/ptx/warpgroup.cuh"
@@ -57,6 +58,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
     ptx::fence_mbarrier_init();
   }
+  // Programmatic launch: the previous kernel's writes (q, K/V, o's earlier readers) are complete
+  // from here on; the next kernel may be scheduled (it waits for this one to end).
+  ptx::grid_dependency_wait();
+  ptx::launch_dependents();
   __syncthreads();
   const int warpgroup = static_cast<int>(threadIdx.x) / Traits::kWarpgroupThreads;
   if (warpgroup == 0) {
@@ -207,7 +212,8 @@ bool try_launch_prefill(const PrefillArgs& args, uint32_t options, void* stream,
                         std::string* why) {
   PrefillParams params;
   if (!make_prefill_params<Traits>(args, options, &params, why)) return false;
-  PrefillEntry<Traits, kDType, kSoftCap>::launch(params, args.num_workers, stream);
+  PrefillEntry<Traits, kDType, kSoftCap>::launch(params, args.num_workers, stream,
+                                                 args.problem.enable_pdl);
   return true;
 }
 
