@@ -228,11 +228,15 @@ const KernelRow* decode_mma_row(int head_dim, int rows, int variant) {
     const KernelRow* row = find_kernel_row(KernelFamily::kSm80DecodeMma, bucket, height, variant);
     if (row != nullptr && rows <= row->shape.rows) return row;
   }
-  for (const int wide : {32, 64, 128}) {
-    if (rows > wide) continue;
-    return find_kernel_row(KernelFamily::kSm80DecodeMma, bucket, kKernelFullRows, 0, wide);
+  const KernelRow* smallest_fit = nullptr;
+  for (const KernelRow& row : kernel_registry()) {
+    if (row.family == KernelFamily::kSm80DecodeMma && row.shape.head_dim == bucket &&
+        row.shape.variant == 0 && rows <= row.shape.rows &&
+        (smallest_fit == nullptr || row.shape.rows < smallest_fit->shape.rows)) {
+      smallest_fit = &row;
+    }
   }
-  return nullptr;
+  return smallest_fit;
 }
 
 const KernelRow* decode_core_row(int head_dim, int rows) {
