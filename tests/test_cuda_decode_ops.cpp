@@ -39,6 +39,8 @@
 #include "tessera/types.hpp"
 
 #if defined(TESSERA_HAVE_CUDA)
+#include <cuda_runtime.h>
+
 #include "cuda/cuda_backend.hpp"
 #endif
 
