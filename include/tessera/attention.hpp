@@ -40,13 +40,18 @@
 //  * NaN / inf in v_j reaches o through p_j * v_j per IEEE, in the features that hold it: inf
 //    with p_j > 0 gives inf (NaN once inf - inf meet), NaN gives NaN, and a visible key of weight
 //    exactly 0 (score -inf) with an infinite v gives NaN (0 * inf), as in torch; lse is unchanged.
-//    A key outside V is never read, whatever its k or v holds.
+//    A key outside V never changes a row through its k, and a key of another request or past
+//    the request's end is never read at all. A NaN / inf in v_j of a key that a row's causal or
+//    window mask excludes may still turn o[feature] of that row NaN (lse unchanged, the other
+//    features as without it) when j shares the row's key tile, since the tile's P V product
+//    multiplies P = 0 by it, as FlashAttention does (torch's math path turns every row of the
+//    request NaN); the CPU backends never read it. Checked mode reports it either way.
 //  * merge_state / merge_states: a NaN state (lse NaN, or +inf) makes the merged row NaN; an
 //    empty state (lse = -inf) contributes nothing (its o is never read). Split-KV pieces combine
 //    as one pass over all the keys would: a NaN piece makes the row NaN, and an empty piece has
 //    weight 0 and adds 0 * its o (0, unless a key of score -inf met an infinite v there).
 //  * Rows the non-finite value does not touch (other requests, other kv heads, rows whose mask
-//    excludes the key) are exactly as without it.
+//    excludes the key, except for that feature as above) are exactly as without it.
 // Checked mode (set_index_checking, TESSERA_CHECK=1; tessera/backend.hpp) rejects a non-finite
 // q, k or v element that the call reads, naming the tensor and its first index, before running.
 #pragma once

@@ -149,9 +149,10 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
       d256.num_kv_heads = 4;
       d256.name = "decode gqa16/4 d256 p16 16x4096";
       cases.push_back(d256);
-      // Wide groups (issue 39): 16:1, 32:1 and 128:1 on the tensor-core row-tile rows.
+      // Wide groups (issue 39): 12:1, 16:1, 32:1 and 128:1 on the tensor-core row-tile rows.
       for (auto [qo_heads, kv_heads, batch] :
-           {std::tuple{64, 4, 64}, {32, 1, 16}, {32, 1, 64}, {128, 1, 64}}) {
+           {std::tuple{96, 8, 16}, {96, 8, 64}, {64, 4, 64}, {32, 1, 1}, {32, 1, 16}, {32, 1, 64},
+            {128, 1, 16}, {128, 1, 64}}) {
         BenchCase wide = gqa_case(AttentionOp::kDecode, batch, 1, 4096, false, 16);
         wide.num_qo_heads = qo_heads;
         wide.num_kv_heads = kv_heads;

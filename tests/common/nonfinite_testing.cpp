@@ -23,6 +23,7 @@ const char* kind_name(RowKind kind) {
     case RowKind::kEmpty: return "empty";
     case RowKind::kFeature: return "feature";
     case RowKind::kChanged: return "changed";
+    case RowKind::kMaskedFeature: return "clean or masked feature";
   }
   return "?";
 }
@@ -182,6 +183,8 @@ RowExpectation expect_row(const AttentionCase& c, const PoisonSite& site, Poison
       if (sees_key) {
         e.kind = RowKind::kFeature;
         e.feature_nan = poison == Poison::kVNaN;
+      } else if (site_group) {
+        e.kind = RowKind::kMaskedFeature;  // masked out: clean, or 0 * NaN / inf in its tile
       }
       break;
     case Poison::kVInfZeroWeight:
@@ -189,6 +192,8 @@ RowExpectation expect_row(const AttentionCase& c, const PoisonSite& site, Poison
         e.kind = only_key ? RowKind::kEmpty : RowKind::kFeature;
         e.feature_nan = true;  // 0 * inf
         e.versus_poisoned = true;
+      } else if (site_group) {
+        e.kind = RowKind::kMaskedFeature;
       }
       break;
   }
@@ -225,7 +230,8 @@ std::string NonfiniteCase::describe() const {
        << " dim " << site.dim << " (empty row: request " << site.empty_request << " token "
        << site.empty_token << "); rows NaN " << count(RowKind::kNaN) << ", empty "
        << count(RowKind::kEmpty) << ", feature " << count(RowKind::kFeature) << ", changed "
-       << count(RowKind::kChanged) << ", clean " << count(RowKind::kClean) << " (touched "
+       << count(RowKind::kChanged) << ", masked " << count(RowKind::kMaskedFeature) << ", clean "
+       << count(RowKind::kClean) << " (touched "
        << touched << "); " << clean.test_case.describe();
   return text.str();
 }
@@ -286,7 +292,9 @@ NonfiniteCase make_nonfinite_case(const AttentionCase& c, Poison poison, std::mt
         out.rows[token * c.num_qo_heads + h] = e;
         int32_t first = 0, last = 0;
         c.mask().visible_range(i, c.q_lens[b], c.kv_lens[b], &first, &last);
-        if (first < last && e.kind != RowKind::kClean) ++out.touched;
+        if (first < last && e.kind != RowKind::kClean && e.kind != RowKind::kMaskedFeature) {
+          ++out.touched;
+        }
       }
     }
   }
@@ -331,11 +339,18 @@ struct RowView {
 };
 
 // One row's check; returns "" or what is wrong. Adds its compared features to the sums.
-std::string check_row(const NonfiniteCase& c, const RowExpectation& e, const RowView& actual,
+std::string check_row(const NonfiniteCase& c, const RowExpectation& expected, const RowView& actual,
                       const RowView& clean_ref, const RowView& poisoned_ref,
                       const Outputs* clean_run, int64_t token, int32_t h, double lse_tolerance,
                       double* diff_sq, double* ref_sq) {
   const AttentionCase& shape = c.poisoned.test_case;
+  RowExpectation e = expected;
+  if (e.kind == RowKind::kMaskedFeature) {
+    // The definition allows either: as without the bad value, or NaN in its feature alone.
+    e.kind = std::isnan(actual.o(token, h, c.site.dim)) ? RowKind::kFeature : RowKind::kClean;
+    e.feature_nan = true;
+    e.versus_poisoned = false;
+  }
   const float lse = actual.lse(token, h);
   std::ostringstream why;
   if (e.kind == RowKind::kNaN || e.kind == RowKind::kEmpty) {

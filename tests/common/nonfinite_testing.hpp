@@ -9,7 +9,10 @@
 //   kEmpty    o = 0 exactly, lse = -inf (no visible key, or only -inf scores);
 //   kFeature  o[site.dim] NaN (or +inf), the other features and lse close to a reference;
 //   kChanged  finite and close to the reference on the poisoned inputs (a -inf score dropped a
-//             key).
+//             key);
+//   kMaskedFeature  a row of the site's request and kv head whose mask excludes the poisoned v
+//             key: either kClean, or o[site.dim] NaN with the rest as kFeature (the key shared
+//             the row's key tile: P = 0 times NaN / inf in the tile's P V product).
 // Sites are chosen so that the bad value touches some rows and leaves others (other requests,
 // the other kv head, rows whose causal mask excludes the key) alone, and signs are forced where
 // the definition needs them (q . k = +inf needs k > 0 against q = +inf).
@@ -56,7 +59,7 @@ struct PoisonSite {
   int32_t empty_request = -1, empty_token = -1;
 };
 
-enum class RowKind : int32_t { kClean, kNaN, kEmpty, kFeature, kChanged };
+enum class RowKind : int32_t { kClean, kNaN, kEmpty, kFeature, kChanged, kMaskedFeature };
 struct RowExpectation {
   RowKind kind = RowKind::kClean;
   bool feature_nan = false;      // kFeature: NaN (else +inf) at site.dim
