@@ -601,7 +601,11 @@ def main():
             continue
         skewed = is_skewed(case)
         kind, _ = flashinfer_kind(case) if anchor else (None, "")
-        sdpa = not (skewed or case.get("checked", 0) or case.get("graph", 0))
+        # SDPA's is_causal is top-left aligned: a causal chunk with fewer queries than keys
+        # (bottom-right, as Tessera and FlashInfer take it) is a different mask there.
+        top_left = bool(case["causal"]) and case["op"] != "decode" and \
+            case["q_len"] != case["kv_len"]
+        sdpa = not (skewed or top_left or case.get("checked", 0) or case.get("graph", 0))
         if not kind and (not sdpa or args.flashinfer_only):
             # SDPA takes one length per batch (skewed), has no checked mode, and is not timed
             # in a graph here: tessera only.
@@ -616,7 +620,8 @@ def main():
             tensors = sdpa_tensors(case)  # the same tensors for SDPA and FlashInfer
         for backend in ("flash", "cudnn"):
             if not sdpa:
-                ms, note = None, "SDPA takes one length per batch"
+                ms, note = None, ("SDPA's causal mask is top-left" if top_left
+                                  else "SDPA takes one length per batch")
             elif anchor and args.flashinfer_only:
                 ms, note = None, "not run (--flashinfer-only)"
             elif anchor:

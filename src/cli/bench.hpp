@@ -37,6 +37,8 @@ struct BenchCase {
   // Times a CUDA graph replay of the call (captured once on a stream) instead of the call:
   // the per-call latency a graph-captured serving step sees (GPU only).
   bool graph = false;
+  // Launches with programmatic dependent launch (RunOptions::enable_pdl; GPU only).
+  bool pdl = false;
 
   int q_len_of(int b) const { return b < first_count && first_q_len > 0 ? first_q_len : q_len; }
   int kv_len_of(int b) const {
@@ -47,7 +49,7 @@ struct BenchCase {
 
 struct BenchOptions {
   std::string backend = "auto";  // auto | cpu | cpu-reference | cuda
-  std::string suite = "standard";  // quick | standard | plan (plan() host time, no kernels)
+  std::string suite = "standard";  // quick | standard | serving | plan | overhead | roofline
   std::string filter;             // substring of the case name; empty: all
   std::string json_path;
   DType dtype = DType::kBFloat16;

@@ -16,6 +16,8 @@ std::string format_double(double value, int precision);
 // hidden / head_dim heads, and the GQA 32/8 d128 shapes of every op (page: page size, paged ops).
 BenchCase prefill_case(int head_dim, int seq, bool causal, int tokens, int hidden);
 BenchCase gqa_case(AttentionOp op, int batch, int q_len, int kv_len, bool causal, int page);
+// The cases of `--suite serving` (GPU).
+std::vector<BenchCase> serving_cases();
 // The decode cases of the standard CUDA suite (`--suite roofline` reads the same shapes).
 std::vector<BenchCase> decode_suite_cases();
 

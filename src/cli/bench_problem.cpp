@@ -132,17 +132,19 @@ void run_once(BenchProblem& p, void* stream) {
     explicit CheckingScope(bool on) { set_index_checking(on || saved); }
     ~CheckingScope() { set_index_checking(saved); }
   } checking(p.spec.checked);
+  RunOptions run_options;
+  run_options.enable_pdl = p.spec.pdl;
   switch (p.spec.op) {
     case AttentionOp::kRaggedPrefill:
       run_ragged_prefill(p.plan, p.q_view, p.k_view, p.v_view, p.qo_view, p.kv_view, p.o_view,
-                         p.lse_view, workspace, stream);
+                         p.lse_view, workspace, stream, run_options);
       break;
     case AttentionOp::kPagedPrefill:
       run_paged_prefill(p.plan, p.q_view, p.paged, p.qo_view, p.o_view, p.lse_view, workspace,
-                        stream);
+                        stream, run_options);
       break;
     case AttentionOp::kDecode:
-      run_decode(p.plan, p.q_view, p.paged, p.o_view, p.lse_view, workspace, stream);
+      run_decode(p.plan, p.q_view, p.paged, p.o_view, p.lse_view, workspace, stream, run_options);
       break;
   }
 }

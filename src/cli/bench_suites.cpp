@@ -1,4 +1,4 @@
-// The cases of `tessera bench --suite quick|standard` per device, and the backend choice.
+// The cases of `tessera bench --suite quick|standard|serving` per device, and the backend choice.
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -111,13 +111,73 @@ Device resolve_backend(const std::string& requested, bool* reference) {
   return cuda_available() ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
 }
 
+// `--suite serving` (issue 33): the shapes a serving engine spends its steps on, on the GPU.
+//  * decode, GQA 32/8 d128 p16, batch 1 / 16 / 64 x 1k / 4k / 32k keys, and 256 x 16k (the
+//    read-ceiling case); page sizes 1 and 128 and GQA ratios 1 and 16 at 16 x 4k;
+//  * short prefill, B x S = 16k tokens at S = 512, 1024, 2048, d64 / 128 / 256 (H x D = 2048),
+//    causal and not;
+//  * chunked prefill: 8 requests, each a 512-token chunk (causal, bottom-right) on a paged
+//    prefix of 2k / 8k / 32k keys, page 16;
+//  * the mixed step of the standard suite (4 x 2048 prefill rows beside 252 decode rows);
+//  * decode 1 x 1k replayed from a CUDA graph, with and without PDL.
+std::vector<BenchCase> serving_cases() {
+  std::vector<BenchCase> cases;
+  for (int batch : {1, 16, 64}) {
+    for (int len : {1024, 4096, 32768}) {
+      cases.push_back(gqa_case(AttentionOp::kDecode, batch, 1, len, false, 16));
+    }
+  }
+  cases.push_back(gqa_case(AttentionOp::kDecode, 256, 1, 16384, false, 16));
+  for (int page : {1, 128}) cases.push_back(gqa_case(AttentionOp::kDecode, 16, 1, 4096, false, page));
+  for (auto [qo_heads, kv_heads] : {std::pair{32, 32}, {64, 4}}) {
+    BenchCase ratio = gqa_case(AttentionOp::kDecode, 16, 1, 4096, false, 16);
+    ratio.num_qo_heads = qo_heads;
+    ratio.num_kv_heads = kv_heads;
+    ratio.name = "decode gqa" + std::to_string(qo_heads) + "/" + std::to_string(kv_heads) +
+                 " d128 p16 16x4096";
+    cases.push_back(ratio);
+  }
+  for (int d : {64, 128, 256}) {
+    for (bool causal : {false, true}) {
+      for (int seq : {512, 1024, 2048}) cases.push_back(prefill_case(d, seq, causal, 16384, 2048));
+    }
+  }
+  for (int prefix : {2048, 8192, 32768}) {
+    BenchCase chunk = gqa_case(AttentionOp::kPagedPrefill, 8, 512, prefix + 512, true, 16);
+    chunk.name = "chunked prefill gqa32/8 d128 p16 8x512 on " + std::to_string(prefix / 1024) +
+                 "k";
+    cases.push_back(chunk);
+  }
+  BenchCase mixed = gqa_case(AttentionOp::kPagedPrefill, 256, 1, 2048, true, 16);
+  mixed.first_q_len = 2048;
+  mixed.first_count = 4;
+  mixed.name = "prefill gqa32/8 d128 p16 causal mixed 4x2048+252x1";
+  cases.push_back(mixed);
+  for (bool pdl : {false, true}) {
+    BenchCase graph = gqa_case(AttentionOp::kDecode, 1, 1, 1024, false, 16);
+    graph.graph = true;
+    graph.pdl = pdl;
+    graph.name += pdl ? " (graph, pdl)" : " (graph)";
+    cases.push_back(graph);
+  }
+  return cases;
+}
+
 std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
   std::vector<BenchCase> cases;
   const bool quick = suite == "quick";
-  if (suite != "quick" && suite != "standard") {
-    throw Error(
-        Error::Kind::kInvalidArgument,
-        "--suite: expected quick, standard, plan, overhead or roofline, got '" + suite + "'");
+  if (suite != "quick" && suite != "standard" && suite != "serving") {
+    throw Error(Error::Kind::kInvalidArgument,
+                "--suite: expected quick, standard, serving, plan, overhead or roofline, got '" +
+                    suite + "'");
+  }
+  if (suite == "serving") {
+    if (device.type != DeviceType::kCUDA) {
+      throw Error(Error::Kind::kInvalidArgument,
+                  "--suite serving: needs a CUDA device (its shapes take minutes on a CPU); "
+                  "use --suite quick or standard here");
+    }
+    return serving_cases();
   }
   if (device.type == DeviceType::kCUDA) {
     // The grid of ANCHORS.md: B x S = 16k tokens, H x D = 2048.

@@ -46,8 +46,9 @@ void add_bench(CLI::App& app, Commands& c) {
       "bench", "Time the standard suite on the device found (GPU if present, else CPU)");
   cmd->add_option("--backend", bench.backend, "auto, cpu, cpu-reference or cuda");
   cmd->add_option("--suite", bench.suite,
-                  "quick, standard, plan (plan() time), overhead (host time per run) or "
-                  "roofline (DRAM read ceiling of the decode shapes)");
+                  "quick, standard, serving (decode grid, short and chunked prefill, mixed, "
+                  "graph replay with and without PDL), plan (plan() time), overhead (host time "
+                  "per run) or roofline (DRAM read ceiling of the decode shapes)");
   cmd->add_option("--filter", bench.filter, "only cases whose name contains this text");
   cmd->add_option("--json", bench.json_path, "also write the results as JSON to FILE");
   cmd->add_option("--dtype", c.dtype, "bf16 or fp16");
