@@ -37,9 +37,11 @@
 //  * A score of -inf (finite q against an infinite k_j) is weight 0, like a masked key. A row
 //    whose visible scores are all -inf gives o = 0, lse = -inf, whatever v holds (a documented
 //    deviation from torch, which returns NaN there).
-//  * NaN / inf in v_j reaches o through p_j * v_j per IEEE, in the features that hold it: inf
-//    with p_j > 0 gives inf (NaN once inf - inf meet), NaN gives NaN, and a visible key of weight
-//    exactly 0 (score -inf) with an infinite v gives NaN (0 * inf), as in torch; lse is unchanged.
+//  * NaN / inf in v_j reaches o through p_j * v_j per IEEE, in the features that hold it: NaN
+//    gives NaN; inf with p_j > 0 gives inf, or NaN (inf - inf, or a split-KV piece or key tile
+//    that also multiplied it by P = 0); a visible key of weight exactly 0 (score -inf) with an
+//    infinite v gives NaN (0 * inf, as in torch), or the value without that key where a
+//    split-KV piece saw no other key and finished empty (o = 0). lse is unchanged.
 //    A key outside V never changes a row through its k, and a key of another request or past
 //    the request's end is never read at all. A NaN / inf in v_j of a key that a row's causal or
 //    window mask excludes may still turn o[feature] of that row NaN (lse unchanged, the other
@@ -49,11 +51,12 @@
 //  * merge_state / merge_states: a NaN state (lse NaN, or +inf) makes the merged row NaN; an
 //    empty state (lse = -inf) contributes nothing (its o is never read). Split-KV pieces combine
 //    as one pass over all the keys would: a NaN piece makes the row NaN, and an empty piece has
-//    weight 0 and adds 0 * its o (0, unless a key of score -inf met an infinite v there).
+//    weight 0 and adds nothing.
 //  * Rows the non-finite value does not touch (other requests, other kv heads, rows whose mask
 //    excludes the key, except for that feature as above) are exactly as without it.
 // Checked mode (set_index_checking, TESSERA_CHECK=1; tessera/backend.hpp) rejects a non-finite
-// q, k or v element that the call reads, naming the tensor and its first index, before running.
+// q, k or v element that the call reads, and a NaN or +inf sink (a -inf sink is valid: no sink),
+// naming the tensor and its first index, before running.
 #pragma once
 
 #include <cstdint>

@@ -64,6 +64,11 @@ struct RowExpectation {
   RowKind kind = RowKind::kClean;
   bool feature_nan = false;      // kFeature: NaN (else +inf) at site.dim
   bool versus_poisoned = false;  // kFeature: other features against the poisoned reference
+  // kFeature +inf: NaN accepted too (a split-KV piece or a masked row's tile multiplied the
+  // inf by P = 0 before the merge); kFeature NaN of a zero-weight key: the value without the key
+  // accepted too (a piece whose only visible key it was finishes as an empty row, o = 0).
+  bool or_nan = false;
+  bool or_dropped = false;
 };
 
 struct NonfiniteCase {

@@ -319,8 +319,12 @@ class PrefillConsumer {
     // on its own first, so the row maximum gives exactly 2^0 (the sm80 kernel's form): a warp
     // with such a row (chosen per warp) turns its scores into those exponents first, in a block
     // of its own, and the common FFMA below becomes s * 1 - 0, exact.
-    if (!__all_sync(0xffffffffu,
-                    fabsf(base[0]) < kOneFfmaBaseLimit && fabsf(base[1]) < kOneFfmaBaseLimit)) {
+    // A NaN or infinite base (a row that is NaN whatever form it takes) votes for the common
+    // form, so the rows beside it in the warp keep the bits they have without it.
+    const auto one_ffma = [](float b) {
+      return !(fabsf(b) >= kOneFfmaBaseLimit) || fabsf(b) == INFINITY;
+    };
+    if (!__all_sync(0xffffffffu, one_ffma(base[0]) && one_ffma(base[1]))) {
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) s[i] = __fmul_rn(s[i], scale) - base[(i / 2) % 2];
       scale = 1.0f;
