@@ -8,8 +8,8 @@
 // hand-made split-KV plan (pieces of 17 keys: every row through partials and the standalone
 // merge, which folds the sink once). Then a bf16 head_dim 128 prefill that the sm90 kernels
 // serve on Hopper, long decodes the planner splits (the fused merge), a paged prefill the
-// planner splits (the standalone merge), and NaN / -inf sinks. Outputs and workspaces are
-// poisoned (NaN) before every run.
+// planner splits (the standalone merge), NaN / -inf sinks, and checked mode's rejection of a
+// NaN / +inf sink. Outputs and workspaces are poisoned (NaN) before every run.
 //
 // Without a CUDA device every test skips (exit 77 under ctest). TESSERA_TEST_REDUCED=1 shrinks
 // the matrix; TESSERA_TEST_SEED varies the random inputs.
@@ -209,6 +209,56 @@ TEST(CudaSinks, NonfiniteSinks) {
         }
       }
     }
+  }
+}
+
+// Checked mode on device sinks (one copy to the host): a NaN or +inf sink is rejected naming
+// `sinks` and its index, the first bad one; a -inf sink (no sink) runs.
+TEST(CudaSinks, CheckedModeRejectsNaNAndPlusInf) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  const auto checked_error = [](AttentionBuffers& buffers) {
+    set_index_checking(true);
+    std::string text;
+    try {
+      (void)test::run_through_api(buffers, kGpu);
+    } catch (const Error& error) {
+      EXPECT_EQ(error.kind(), Error::Kind::kInvalidArgument) << error.what();
+      text = error.what();
+    }
+    set_index_checking(false);
+    return text;
+  };
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  for (SinksOp op : {SinksOp::kRagged, SinksOp::kPaged, SinksOp::kDecode}) {
+    SCOPED_TRACE(test::sinks_op_name(op));
+    SinksShape shape;
+    shape.op = op;
+    shape.mask = SinksMask::kCausal;
+    shape.group_size = 4;
+    std::mt19937_64 rng(39600 + static_cast<uint64_t>(op));
+    const AttentionCase c = test::sinks_case(shape, rng);
+    AttentionBuffers buffers = test::make_buffers(c, rng);
+    EXPECT_EQ(checked_error(buffers), "");
+    const int32_t head = c.num_qo_heads - 1;
+    for (float sink : {std::numeric_limits<float>::quiet_NaN(), kInf}) {
+      AttentionBuffers changed = buffers;
+      changed.sinks[head] = sink;
+      const std::string error = checked_error(changed);
+      const std::string expected = std::string("'sinks': non-finite value ") +
+                                   (std::isnan(sink) ? "nan" : "inf") + " at index " +
+                                   std::to_string(head) + " (query head " +
+                                   std::to_string(head) + ")";
+      EXPECT_NE(error.find(expected), std::string::npos) << error;
+    }
+    AttentionBuffers two = buffers;  // the first bad sink is the one reported
+    two.sinks[1] = kInf;
+    two.sinks[head] = std::numeric_limits<float>::quiet_NaN();
+    const std::string error = checked_error(two);
+    EXPECT_NE(error.find("'sinks': non-finite value inf at index 1 "), std::string::npos)
+        << error;
+    AttentionBuffers none = buffers;
+    none.sinks[0] = -kInf;
+    EXPECT_EQ(checked_error(none), "");
   }
 }
 

@@ -266,6 +266,62 @@ TEST(SinksNonfinite, NaNSinkMakesItsHeadNaN) { check_nonfinite_sink(kNaN, true);
 TEST(SinksNonfinite, PlusInfSinkMakesItsHeadNaN) { check_nonfinite_sink(kInf, true); }
 TEST(SinksNonfinite, MinusInfSinkIsNoSink) { check_nonfinite_sink(-kInf, false); }
 
+// Runs `buffers` through the API on the CPU with checked mode on; the error text ("" if none).
+std::string checked_error(AttentionBuffers& buffers) {
+  set_index_checking(true);
+  std::string error;
+  try {
+    (void)test::run_through_api(buffers, Device{});
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), Error::Kind::kInvalidArgument) << e.what();
+    error = e.what();
+  }
+  set_index_checking(false);
+  return error;
+}
+
+// Checked mode: a NaN or +inf sink is rejected before anything runs, naming `sinks` and its
+// index (the first bad one); -inf (no sink) runs. Every op, the reference and the fast path.
+TEST(SinksNonfinite, CheckedModeRejectsNaNAndPlusInf) {
+  for (SinksOp op : {SinksOp::kRagged, SinksOp::kPaged, SinksOp::kDecode}) {
+    for (bool reference : {true, false}) {
+      set_cpu_impl(reference ? CpuImpl::kReference : CpuImpl::kFast);
+      SCOPED_TRACE(std::string(test::sinks_op_name(op)) + (reference ? ", reference" : ", fast"));
+      std::mt19937_64 rng(test::sinks_seed(34500 + static_cast<int>(op)));
+      SinksShape shape;
+      shape.op = op;
+      shape.mask = test::SinksMask::kCausal;
+      shape.group_size = 2;
+      const AttentionCase c = test::sinks_case(shape, rng);
+      AttentionBuffers buffers = test::make_buffers(c, rng);
+      EXPECT_EQ(checked_error(buffers), "");
+      const int32_t head = c.num_qo_heads - 1;
+      for (float sink : {kNaN, kInf}) {
+        AttentionBuffers changed = buffers;
+        changed.sinks[head] = sink;
+        const std::string error = checked_error(changed);
+        const std::string expected = std::string("'sinks': non-finite value ") +
+                                     (std::isnan(sink) ? "nan" : "inf") + " at index " +
+                                     std::to_string(head) + " (query head " +
+                                     std::to_string(head) + ")";
+        EXPECT_NE(error.find(expected), std::string::npos) << error;
+        // Nothing ran: the outputs keep the poison run_through_api wrote into them.
+        for (uint8_t byte : changed.o) ASSERT_EQ(byte, 0xff);
+      }
+      AttentionBuffers two = buffers;  // the first bad sink is the one reported
+      two.sinks[1] = kInf;
+      two.sinks[head] = kNaN;
+      const std::string error = checked_error(two);
+      EXPECT_NE(error.find("'sinks': non-finite value inf at index 1 "), std::string::npos)
+          << error;
+      AttentionBuffers none = buffers;  // -inf: no sink, valid; head 0 as without sinks
+      none.sinks[0] = -kInf;
+      EXPECT_EQ(checked_error(none), "");
+    }
+  }
+  set_cpu_impl(CpuImpl::kFast);
+}
+
 // ---- validation and the one-shot calls ----
 
 class SinksValidation : public test::ValidationTest {

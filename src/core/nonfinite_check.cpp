@@ -1,7 +1,10 @@
-// Checked mode's scan of q, k and v for NaN / inf (see nonfinite_check.hpp). The elements a
-// call reads are listed as rows (one token or key of one tensor, all its heads) in the order
-// the message counts them: requests in order, then tokens / keys, then heads, then dims. The
-// first non-finite element in that order is the one reported, on the host and on the device.
+// Checked mode's scan of q, k and v for NaN / inf, and of the attention sinks for NaN / +inf
+// (see nonfinite_check.hpp). The elements a call reads are listed as rows (one token or key of
+// one tensor, all its heads) in the order the message counts them: requests in order, then
+// tokens / keys, then heads, then dims. The first non-finite element in that order is the one
+// reported, on the host and on the device. The sinks (num_qo_heads floats) are read on the host,
+// a device tensor through one small copy: -inf is a valid sink ("no sink"), which the exponent
+// test of the q / k / v scan would flag.
 #include "core/nonfinite_check.hpp"
 
 #include <algorithm>
@@ -183,6 +186,30 @@ void check_tensor(const ArgChecker& check, const CallIndex& call, const ScannedT
                               " (checked mode: TESSERA_CHECK / set_index_checking)");
 }
 
+// Throws naming the first NaN / +inf sink (a -inf sink is no sink: valid). Every query row
+// reads its head's sink (a row without keys too: lse = the sink), so all are checked when the
+// call has query rows.
+void check_sinks(const ArgChecker& check, const Plan& plan, const AttentionProblem& problem,
+                 void* stream) {
+  if (problem.sinks == nullptr || plan.total_q <= 0 || problem.num_qo_heads <= 0) return;
+  const size_t heads = static_cast<size_t>(problem.num_qo_heads);
+  std::vector<float> copy;
+  const float* sinks = problem.sinks;
+  if (plan.device.type != DeviceType::kCPU) {
+    copy.resize(heads);
+    gpu_backend()->copy_to_host(copy.data(), problem.sinks, heads * sizeof(float), stream);
+    sinks = copy.data();
+  }
+  for (size_t h = 0; h < heads; ++h) {
+    const float sink = sinks[h];
+    if (!std::isnan(sink) && !(std::isinf(sink) && sink > 0)) continue;
+    check.fail("sinks", "non-finite value " + value_text(sink) + " at index " + std::to_string(h) +
+                            " (query head " + std::to_string(h) +
+                            ") (checked mode: TESSERA_CHECK / set_index_checking; a sink of -inf "
+                            "is valid: no sink)");
+  }
+}
+
 }  // namespace
 
 int64_t first_nonfinite_host(const void* data, DType dtype, std::span<const int64_t> row_offsets,
@@ -223,6 +250,7 @@ void check_finite_inputs(const ArgChecker& check, const Plan& plan, const Attent
   check_tensor(check, call,
                {kv.paged ? "v_cache" : "v", kv.v, kv.dtype, problem.num_kv_heads, kv.v_stride_head},
                key_rows(call, true), /*query=*/false);
+  check_sinks(check, plan, problem, stream);
 }
 
 }  // namespace tessera::detail

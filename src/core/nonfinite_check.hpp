@@ -1,8 +1,9 @@
 // Checked mode's scan of the attention inputs for NaN / inf (issue 38; the semantics of
 // non-finite inputs are in include/tessera/attention.hpp). With index checking on, run_* scans
-// the q, k and v elements that the call reads before anything runs and throws naming the first
-// non-finite one: host tensors on the CPU here, device tensors with one small kernel through the
-// backend table (DeviceBackend::first_nonfinite, src/cuda/ops/nonfinite.cu).
+// the q, k and v elements that the call reads, and the attention sinks, before anything runs and
+// throws naming the first non-finite one (a -inf sink is valid): host tensors on the CPU here,
+// device tensors with one small kernel through the backend table (DeviceBackend::first_nonfinite,
+// src/cuda/ops/nonfinite.cu; the sinks, num_qo_heads floats, through one copy to the host).
 #pragma once
 
 #include <cstdint>
@@ -39,11 +40,13 @@ int64_t first_nonfinite_host(const void* data, DType dtype, std::span<const int6
 // Throws (check.fail) naming the tensor (q, k / v or k_cache / v_cache) and the first index
 // (token / row / page and position, head, dim) of a NaN or inf among the elements the call
 // reads: q rows that see at least one key, and for each request with queries the keys its rows
-// see (their union), every kv head and dim. Elements the call does not read (padding, other
-// pages, keys outside every row's mask, rows that see no key) are not checked: their values do
-// not change the result. `plan` and `problem` are validated; for device tensors the index arrays
-// were checked against the plan (checked mode), so request starts follow from the plan's lengths
-// and only page_indices is read (copied to the host, synchronising `stream`).
+// see (their union), every kv head and dim; then, with attention sinks, the first NaN or +inf
+// sink (index = query head; -inf is valid, "no sink"), when the call has query rows. Elements
+// the call does not read (padding, other pages, keys outside every row's mask, rows that see no
+// key) are not checked: their values do not change the result. `plan` and `problem` are
+// validated; for device tensors the index arrays were checked against the plan (checked mode),
+// so request starts follow from the plan's lengths and only page_indices (and the sinks) is read
+// (copied to the host, synchronising `stream`).
 void check_finite_inputs(const ArgChecker& check, const Plan& plan, const AttentionProblem& problem,
                          void* stream);
 
