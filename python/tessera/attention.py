@@ -207,6 +207,7 @@ def attention_with_kvcache(
     v_scale: float = 1.0,
     out: Optional[ArrayLike] = None,
     lse: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
 ) -> Union[ArrayLike, Tuple[ArrayLike, ArrayLike]]:
     """Attention of new queries against a KV cache, like FlashAttention's
     ``flash_attn_with_kvcache``: decode (1 query per request), speculative decoding (a few) or
@@ -236,6 +237,8 @@ def attention_with_kvcache(
         return_lse: also return ``lse`` ``[batch_size, seqlen_q, num_heads]`` float32.
         k_scale, v_scale: dequantisation scales of an fp8 cache.
         out, lse: optional preallocated outputs (q's shape; q's shape without head_dim).
+        sinks: optional attention sinks, float32 ``[num_heads]`` on q's device (see
+            :func:`varlen_attention`).
 
     Returns:
         ``o`` with q's shape and dtype, or ``(o, lse)``.
@@ -263,6 +266,7 @@ def attention_with_kvcache(
                                 names=_FA_NAMES)
     stream = stream_arg(stream_of(q, q_dl))
     library = _capi.lib()
+    run = _capi.run_options(None if sinks is None else to_dl(sinks, "sinks"))
 
     seqlen_new = 0
     if appending:
@@ -356,13 +360,14 @@ def attention_with_kvcache(
             raise ValueError("'lse': its first two dimensions cannot be merged without a copy")
 
     if seqlen_q <= 64:
-        check(library.tessera_decode(ref(q3), ctypes.byref(kv), ref(o3), ref(lse2),
-                                     ctypes.byref(options), stream), _KVCACHE_NAMES)
+        check(library.tessera_decode_v2(ref(q3), ctypes.byref(kv), ref(o3), ref(lse2),
+                                        ctypes.byref(options), stream, ctypes.byref(run)),
+              _KVCACHE_NAMES)
     else:
         qo_indptr = to_dl(from_numpy(arange_int32(batch + 1, seqlen_q), q, q_dl), "q")
-        check(library.tessera_paged_prefill(ref(q3), ctypes.byref(kv), ref(qo_indptr), ref(o3),
-                                            ref(lse2), ctypes.byref(options), stream),
-              _KVCACHE_NAMES)
+        check(library.tessera_paged_prefill_v2(ref(q3), ctypes.byref(kv), ref(qo_indptr),
+                                               ref(o3), ref(lse2), ctypes.byref(options), stream,
+                                               ctypes.byref(run)), _KVCACHE_NAMES)
     return (out, lse) if return_lse else out
 
 
@@ -386,6 +391,7 @@ def paged_attention(
     return_lse: bool = False,
     out: Optional[ArrayLike] = None,
     lse: Optional[ArrayLike] = None,
+    sinks: Optional[ArrayLike] = None,
 ) -> Union[ArrayLike, Tuple[ArrayLike, ArrayLike]]:
     """One-shot attention over a paged KV cache with FlashInfer's CSR page table (plan + run
     in one call; the index arrays are read on the host).
@@ -399,6 +405,8 @@ def paged_attention(
         kv_page_indptr, kv_page_indices, kv_last_page_len: the CSR page table (int32).
         sm_scale, causal, window_left, window_right, logits_soft_cap, k_scale, v_scale: options
             (see :func:`varlen_attention`).
+        sinks: optional attention sinks, float32 ``[num_qo_heads]`` on q's device (see
+            :func:`varlen_attention`).
 
     Returns:
         ``o`` ``[total_q, num_qo_heads, head_dim]`` or ``(o, lse)``.
@@ -424,11 +432,13 @@ def paged_attention(
              "options.logits_soft_cap": "logits_soft_cap", "options.window_left": "window_left",
              "options.window_right": "window_right"}
     library = _capi.lib()
+    run = _capi.run_options(None if sinks is None else to_dl(sinks, "sinks"))
     if qo_indptr is None:
-        check(library.tessera_decode(ref(q_dl), ctypes.byref(kv), ref(o_dl), ref(lse_dl),
-                                     ctypes.byref(options), stream), names)
+        check(library.tessera_decode_v2(ref(q_dl), ctypes.byref(kv), ref(o_dl), ref(lse_dl),
+                                        ctypes.byref(options), stream, ctypes.byref(run)), names)
     else:
         qo_dl = to_dl(index_array(qo_indptr, "qo_indptr", q, q_dl), "qo_indptr")
-        check(library.tessera_paged_prefill(ref(q_dl), ctypes.byref(kv), ref(qo_dl), ref(o_dl),
-                                            ref(lse_dl), ctypes.byref(options), stream), names)
+        check(library.tessera_paged_prefill_v2(ref(q_dl), ctypes.byref(kv), ref(qo_dl),
+                                               ref(o_dl), ref(lse_dl), ctypes.byref(options),
+                                               stream, ctypes.byref(run)), names)
     return (out, lse) if return_lse else out

@@ -104,20 +104,20 @@ def _paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_page_ind
                         kv_page_indices: Tensor, kv_last_page_len: Tensor,
                         qo_indptr: Optional[Tensor], kv_layout: str, sm_scale: float,
                         causal: bool, window_left: int, window_right: int,
-                        logits_soft_cap: float, k_scale: float, v_scale: float
-                        ) -> Tuple[Tensor, Tensor]:
+                        logits_soft_cap: float, k_scale: float, v_scale: float,
+                        sinks: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     o, lse = _attention.paged_attention(
         q, k_cache, v_cache, kv_page_indptr, kv_page_indices, kv_last_page_len, qo_indptr,
         kv_layout=kv_layout, sm_scale=_scale_or_none(sm_scale), causal=causal,
         window_left=window_left, window_right=window_right, logits_soft_cap=logits_soft_cap,
-        k_scale=k_scale, v_scale=v_scale, return_lse=True)
+        k_scale=k_scale, v_scale=v_scale, return_lse=True, sinks=sinks)
     return o, lse
 
 
 @_paged_attention_op.register_fake
 def _paged_attention_fake(q, k_cache, v_cache, kv_page_indptr, kv_page_indices,
                           kv_last_page_len, qo_indptr, kv_layout, sm_scale, causal, window_left,
-                          window_right, logits_soft_cap, k_scale, v_scale):
+                          window_right, logits_soft_cap, k_scale, v_scale, sinks=None):
     return q.new_empty(q.shape), _lse_like(q, [q.shape[0], q.shape[1]])
 
 
@@ -126,12 +126,14 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, kv_page_indptr:
                     qo_indptr: Optional[Tensor] = None, *, kv_layout: str = "NHD",
                     sm_scale: Optional[float] = None, causal: bool = False,
                     window_left: int = -1, window_right: int = -1, logits_soft_cap: float = 0.0,
-                    k_scale: float = 1.0, v_scale: float = 1.0, return_lse: bool = False):
-    """:func:`tessera.paged_attention` as a torch custom op."""
+                    k_scale: float = 1.0, v_scale: float = 1.0, return_lse: bool = False,
+                    sinks: Optional[Tensor] = None):
+    """:func:`tessera.paged_attention` as a torch custom op; ``sinks`` optional float32
+    ``[H]`` attention sinks."""
     o, lse = torch.ops.tessera.paged_attention(
         q, k_cache, v_cache, kv_page_indptr, kv_page_indices, kv_last_page_len, qo_indptr,
         kv_layout, 0.0 if sm_scale is None else sm_scale, causal, window_left, window_right,
-        logits_soft_cap, k_scale, v_scale)
+        logits_soft_cap, k_scale, v_scale, sinks)
     return (o, lse) if return_lse else o
 
 
@@ -144,19 +146,20 @@ def _attention_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                                cache_seqlens: Optional[Tensor], block_table: Optional[Tensor],
                                kv_layout: str, softmax_scale: float, causal: bool,
                                window_left: int, window_right: int, softcap: float,
-                               k_scale: float, v_scale: float) -> Tuple[Tensor, Tensor]:
+                               k_scale: float, v_scale: float, sinks: Optional[Tensor] = None
+                               ) -> Tuple[Tensor, Tensor]:
     o, lse = _attention.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
         softmax_scale=_scale_or_none(softmax_scale), causal=causal,
         window_size=(window_left, window_right), softcap=softcap, return_lse=True,
-        kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale)
+        kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
     return o, lse
 
 
 @_attention_with_kvcache_op.register_fake
 def _attention_with_kvcache_fake(q, k_cache, v_cache, cache_seqlens, block_table, kv_layout,
                                  softmax_scale, causal, window_left, window_right, softcap,
-                                 k_scale, v_scale):
+                                 k_scale, v_scale, sinks=None):
     return q.new_empty(q.shape), _lse_like(q, list(q.shape[:-1]))
 
 
@@ -166,13 +169,15 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                            softmax_scale: Optional[float] = None, causal: bool = False,
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            return_lse: bool = False, *, kv_layout: str = "NHD",
-                           k_scale: float = 1.0, v_scale: float = 1.0):
+                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           sinks: Optional[Tensor] = None):
     """:func:`tessera.attention_with_kvcache` (without the append of new k/v) as a custom op.
-    ``cache_seqlens`` must be a tensor (or None)."""
+    ``cache_seqlens`` must be a tensor (or None); ``sinks`` optional float32 ``[H]`` attention
+    sinks."""
     o, lse = torch.ops.tessera.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, kv_layout,
         0.0 if softmax_scale is None else softmax_scale, causal, window_size[0], window_size[1],
-        softcap, k_scale, v_scale)
+        softcap, k_scale, v_scale, sinks)
     return (o, lse) if return_lse else o
 
 
