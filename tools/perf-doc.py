@@ -2,7 +2,7 @@
 """The current-performance table of one GPU for docs/PERFORMANCE.md, from one device call.
 
   tools/perf-doc.py OUT_DIR [--build REV] [--date YYYY-MM-DD] [--flashinfer FILE]
-                    [--update docs/PERFORMANCE.md]
+                    [--suite NAME] [--update docs/PERFORMANCE.md]
 
 OUT_DIR is what tools/gpu-check.sh leaves there:
   bench.json    `tessera bench --json`: {"device", "dtype", "results": [{"name", "op", "ms",
@@ -179,7 +179,7 @@ def markdown_table(rows, with_fi):
     return lines
 
 
-def render(out_dir, build=None, date=None, flashinfer_path=None):
+def render(out_dir, build=None, date=None, flashinfer_path=None, suite=None):
     """The markdown block of one device call's OUT_DIR, and its GPU key."""
     bench_path = os.path.join(out_dir, "bench.json")
     bench = load_json(bench_path)
@@ -191,7 +191,7 @@ def render(out_dir, build=None, date=None, flashinfer_path=None):
     flashinfer = load_json(flashinfer_path) if flashinfer_path else None
     torch_version, cudnn_version, gpu_name = versions(os.path.join(out_dir, "compare.log"))
     device = (compare or {}).get("device") or gpu_name or bench.get("device", "unknown device")
-    key = gpu_key(device)
+    key = gpu_key(device) + (f" {suite}" if suite else "")
     if build is None:
         build_txt = os.path.join(out_dir, "build.txt")
         if os.path.exists(build_txt):
@@ -258,13 +258,15 @@ def main(argv=None):
     parser.add_argument("--build", help="the build measured (a commit), else OUT_DIR/build.txt")
     parser.add_argument("--date", help="YYYY-MM-DD, else bench.json's modification date")
     parser.add_argument("--flashinfer", help="FlashInfer timings (default OUT_DIR/flashinfer.json)")
+    parser.add_argument("--suite", help="the bench suite of OUT_DIR when it is not the standard "
+                        "one (e.g. serving): its block is the GPU's name and this")
     parser.add_argument("--update", metavar="FILE",
                         help="replace this GPU's block in FILE (docs/PERFORMANCE.md) instead of "
                              "printing it")
     args = parser.parse_args(argv)
     if not os.path.exists(os.path.join(args.out_dir, "bench.json")):
         parser.error(f"{args.out_dir}/bench.json not found (tools/gpu-check.sh writes it)")
-    block, key = render(args.out_dir, args.build, args.date, args.flashinfer)
+    block, key = render(args.out_dir, args.build, args.date, args.flashinfer, args.suite)
     if args.update:
         update(args.update, block, key)
     else:
