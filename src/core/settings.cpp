@@ -25,7 +25,7 @@ constexpr SettingDoc kSettings[] = {
      "caps the CPU kernels' instruction set (default: the best the CPU has)"},
     {"TESSERA_CHECK", "bool", "0", SettingScope::kUser,
      "checked mode: before every run, validate device-resident index arrays and reject NaN / "
-     "inf in the q, k, v elements it reads (synchronises)"},
+     "inf in the q, k, v elements it reads and NaN / +inf sinks (synchronises)"},
     {"TESSERA_TUNE_FILE", "path", "", SettingScope::kUser,
      "the decode tuning file (default: $XDG_CACHE_HOME/tessera/tune.txt, else "
      "~/.cache/tessera/tune.txt)"},
