@@ -1,7 +1,7 @@
 // The tessera command end to end: bench (CPU, quick suite, JSON, the spread of the timings and
 // devtools' loaded-machine warning), plan --explain (prefill and decode; the decode kernel note on
-// a GPU), info, settings, check, tune without a GPU, and unknown words and bad values named in
-// the error.
+// a GPU), info, settings, check, tune without a GPU, and unknown words and bad values (a bad or
+// GPU-only suite among them) named in the error.
 #include <gtest/gtest.h>
 
 #include <array>
@@ -292,6 +292,16 @@ TEST_F(Cli, BadArgumentsGiveAClearError) {
   result = run("plan --backend cpu --q-lens 4 --heads 6 --kv-heads 4");
   EXPECT_NE(result.status, 0);
   EXPECT_NE(result.output.find("num_qo_heads"), std::string::npos) << result.output;
+  // The serving suite's shapes are the GPU's (minutes each on a CPU): said, not attempted.
+  result = run("bench --backend cpu --suite serving --quiet");
+  EXPECT_NE(result.status, 0);
+  EXPECT_NE(result.output.find("--suite serving: needs a CUDA device"), std::string::npos)
+      << result.output;
+  EXPECT_EQ(result.output.find("prefill d"), std::string::npos) << result.output;
+  result = run("bench --suite fast");
+  EXPECT_NE(result.status, 0);
+  EXPECT_NE(result.output.find("expected quick, standard, serving"), std::string::npos)
+      << result.output;
 }
 
 }  // namespace
