@@ -1,7 +1,8 @@
 // libFuzzer target for the C ABI (include/tessera/tessera.h) on CPU tensors.
 //
 // The input decodes into one call: an attention op (plan + run, or one-shot; ragged, paged,
-// decode) or an aux op (RoPE, paged-KV append, block_table -> CSR, merge_state(s)), with random
+// decode; through the plain calls or the *_v2 ones with fuzzed run options: sinks, PDL,
+// struct_size) or an aux op (RoPE, paged-KV append, block_table -> CSR, merge_state(s)), with random
 // shapes, dtypes, strides, index arrays, page tables and options. Arguments start out mostly
 // valid (so kernels run on random shapes) and then get a few random mutations (dims, strides,
 // dtypes, devices, NULLs, index contents). Every tensor lives in its own heap block with guard
@@ -424,6 +425,26 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
   Tensor* o = arena.make(qk, {total_q, hqo, dim}, true, small(fdp, 0, 2) * 8, small(fdp, 0, 1) * 8);
   Tensor* lse = fdp.ConsumeBool() ? arena.make(kF32, {total_q, hqo}, true, small(fdp, 0, 3), 0)
                                   : nullptr;
+  // The *_v2 calls' per-call options: sinks of a fuzzed dtype and length (their values are the
+  // arena's fill: NaN and inf included, which checked mode and the kernels define), PDL, and a
+  // struct_size from 0 (no field read) up to the struct's.
+  const bool v2 = fdp.ConsumeBool();
+  tessera_run_options run_options;
+  tessera_run_options_default(&run_options);
+  Tensor* sinks = nullptr;
+  if (v2) {
+    if (fdp.ConsumeBool()) {
+      const ElemKind sink_kind = fdp.ConsumeIntegralInRange<int>(0, 7) == 0 ? q_kind(fdp) : kF32;
+      const int64_t heads = fdp.ConsumeIntegralInRange<int>(0, 7) == 0
+                                ? small(fdp, 0, std::max(hqo, 0) + 2)
+                                : hqo;
+      sinks = arena.make(sink_kind, {heads}, false);
+    }
+    run_options.enable_pdl = fdp.ConsumeBool();
+    if (fdp.ConsumeIntegralInRange<int>(0, 7) == 0) {
+      run_options.struct_size = fdp.ConsumeIntegralInRange<size_t>(0, sizeof run_options);
+    }
+  }
   Tensor *k = nullptr, *v = nullptr, *qo = nullptr, *kvp = nullptr;
   Paged paged{};
   if (op == 0) {
@@ -482,7 +503,35 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
   const DLTensor* lse_t = lse ? lse->get() : nullptr;
   void* ws = workspace.tensor ? workspace.data() : nullptr;
   const bool null_kv = fdp.ConsumeIntegralInRange<int>(0, 31) == 0;
-  if (one_shot) {
+  run_options.sinks = sinks != nullptr ? sinks->get() : nullptr;
+  const tessera_run_options* ro =
+      v2 && fdp.ConsumeIntegralInRange<int>(0, 15) != 0 ? &run_options : nullptr;
+  if (v2 && one_shot) {
+    if (op == 0) {
+      status = tessera_ragged_prefill_v2(q->get(), k->get(), v->get(), qo->get(), kvp->get(),
+                                         o->get(), lse_t, opts, nullptr, ro);
+    } else if (op == 1) {
+      status = tessera_paged_prefill_v2(q->get(), null_kv ? nullptr : &kv, qo->get(), o->get(),
+                                        lse_t, opts, nullptr, ro);
+    } else {
+      status = tessera_decode_v2(q->get(), null_kv ? nullptr : &kv, o->get(), lse_t, opts,
+                                 nullptr, ro);
+    }
+  } else if (v2) {
+    const tessera_plan* run_plan = fdp.ConsumeIntegralInRange<int>(0, 31) == 0 ? nullptr : plan;
+    if (op == 0) {
+      status = tessera_run_ragged_prefill_v2(run_plan, q->get(), k->get(), v->get(), qo->get(),
+                                             kvp->get(), o->get(), lse_t, ws, workspace.bytes,
+                                             nullptr, ro);
+    } else if (op == 1) {
+      status = tessera_run_paged_prefill_v2(run_plan, q->get(), null_kv ? nullptr : &kv,
+                                            qo->get(), o->get(), lse_t, ws, workspace.bytes,
+                                            nullptr, ro);
+    } else {
+      status = tessera_run_decode_v2(run_plan, q->get(), null_kv ? nullptr : &kv, o->get(),
+                                     lse_t, ws, workspace.bytes, nullptr, ro);
+    }
+  } else if (one_shot) {
     if (op == 0) {
       status = tessera_ragged_prefill(q->get(), k->get(), v->get(), qo->get(), kvp->get(),
                                       o->get(), lse_t, opts, nullptr);
