@@ -111,6 +111,30 @@ Device resolve_backend(const std::string& requested, bool* reference) {
   return cuda_available() ? Device{DeviceType::kCUDA, 0} : Device{DeviceType::kCPU, 0};
 }
 
+namespace {
+
+// Decode of `batch` x 4096 keys, d128, page 16, with qo_heads / kv_heads query / kv heads.
+BenchCase group_decode_case(int qo_heads, int kv_heads, int batch) {
+  BenchCase c = gqa_case(AttentionOp::kDecode, batch, 1, 4096, false, 16);
+  c.num_qo_heads = qo_heads;
+  c.num_kv_heads = kv_heads;
+  c.name = "decode gqa" + std::to_string(qo_heads) + "/" + std::to_string(kv_heads) +
+           " d128 p16 " + std::to_string(batch) + "x4096";
+  return c;
+}
+
+// A mixed batch in one plan (issue 5): 4 requests prefilling 2048 tokens beside 252 decoding
+// one token, all over 2048 cached keys (paged prefill with ragged q lengths).
+BenchCase mixed_step_case() {
+  BenchCase c = gqa_case(AttentionOp::kPagedPrefill, 256, 1, 2048, true, 16);
+  c.first_q_len = 2048;
+  c.first_count = 4;
+  c.name = "prefill gqa32/8 d128 p16 causal mixed 4x2048+252x1";
+  return c;
+}
+
+}  // namespace
+
 // `--suite serving` (issue 33): the shapes a serving engine spends its steps on, on the GPU.
 //  * decode, GQA 32/8 d128 p16, batch 1 / 16 / 64 x 1k / 4k / 32k keys, and 256 x 16k (the
 //    read-ceiling case); page sizes 1 and 128 and GQA ratios 1 and 16 at 16 x 4k;
@@ -130,12 +154,7 @@ std::vector<BenchCase> serving_cases() {
   cases.push_back(gqa_case(AttentionOp::kDecode, 256, 1, 16384, false, 16));
   for (int page : {1, 128}) cases.push_back(gqa_case(AttentionOp::kDecode, 16, 1, 4096, false, page));
   for (auto [qo_heads, kv_heads] : {std::pair{32, 32}, {64, 4}}) {
-    BenchCase ratio = gqa_case(AttentionOp::kDecode, 16, 1, 4096, false, 16);
-    ratio.num_qo_heads = qo_heads;
-    ratio.num_kv_heads = kv_heads;
-    ratio.name = "decode gqa" + std::to_string(qo_heads) + "/" + std::to_string(kv_heads) +
-                 " d128 p16 16x4096";
-    cases.push_back(ratio);
+    cases.push_back(group_decode_case(qo_heads, kv_heads, 16));
   }
   for (int d : {64, 128, 256}) {
     for (bool causal : {false, true}) {
@@ -148,11 +167,7 @@ std::vector<BenchCase> serving_cases() {
                  "k";
     cases.push_back(chunk);
   }
-  BenchCase mixed = gqa_case(AttentionOp::kPagedPrefill, 256, 1, 2048, true, 16);
-  mixed.first_q_len = 2048;
-  mixed.first_count = 4;
-  mixed.name = "prefill gqa32/8 d128 p16 causal mixed 4x2048+252x1";
-  cases.push_back(mixed);
+  cases.push_back(mixed_step_case());
   for (bool pdl : {false, true}) {
     BenchCase graph = gqa_case(AttentionOp::kDecode, 1, 1, 1024, false, 16);
     graph.graph = true;
@@ -213,12 +228,7 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
       for (auto [qo_heads, kv_heads, batch] :
            {std::tuple{96, 8, 16}, {96, 8, 64}, {64, 4, 64}, {32, 1, 1}, {32, 1, 16}, {32, 1, 64},
             {128, 1, 16}, {128, 1, 64}}) {
-        BenchCase wide = gqa_case(AttentionOp::kDecode, batch, 1, 4096, false, 16);
-        wide.num_qo_heads = qo_heads;
-        wide.num_kv_heads = kv_heads;
-        wide.name = "decode gqa" + std::to_string(qo_heads) + "/" + std::to_string(kv_heads) +
-                    " d128 p16 " + std::to_string(batch) + "x4096";
-        cases.push_back(wide);
+        cases.push_back(group_decode_case(qo_heads, kv_heads, batch));
       }
       BenchCase skewed_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 256, 256, true, 0);
       skewed_prefill.first_q_len = skewed_prefill.first_kv_len = 16384;
@@ -227,13 +237,7 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
       BenchCase uniform_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 2048, 2048, true, 0);
       uniform_prefill.name = "prefill gqa32/8 d128 causal uniform 64x2048";  // ~ equal work
       cases.push_back(uniform_prefill);
-      // A mixed batch in one plan (issue 5): 4 requests prefilling 2048 tokens beside 252
-      // decoding one token, all over 2048 cached keys (paged prefill with ragged q lengths).
-      BenchCase mixed = gqa_case(AttentionOp::kPagedPrefill, 256, 1, 2048, true, 16);
-      mixed.first_q_len = 2048;
-      mixed.first_count = 4;
-      mixed.name = "prefill gqa32/8 d128 p16 causal mixed 4x2048+252x1";
-      cases.push_back(mixed);
+      cases.push_back(mixed_step_case());
       // Checked mode (issue 7): the same decode with index validation on.
       BenchCase checked = gqa_case(AttentionOp::kDecode, 64, 1, 4096, false, 16);
       checked.checked = true;
