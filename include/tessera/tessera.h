@@ -311,6 +311,60 @@ TESSERA_API tessera_status tessera_merge_states(const DLTensor* states, const DL
                                                 const DLTensor* indptr, const DLTensor* o_out,
                                                 const DLTensor* lse_out, void* stream);
 
+/* ---- multi-level cascade attention (tessera/cascade.hpp) ----
+ * Every level covers the same total_q query rows and groups them with its own qo_indptr and page
+ * table into the one k_cache / v_cache; a row attends in one softmax to its group's keys at every
+ * level: all of them at the upper levels (shared prefixes, no mask), and at the last level as
+ * paged prefill with `options` (causal aligned bottom-right to that level's keys). Sliding
+ * windows are rejected. Sinks (run_options) join the softmax once. 1..16 levels. */
+
+typedef struct tessera_cascade_plan tessera_cascade_plan;
+
+/* Host lengths of one level: qo_indptr and page_indptr batch_size + 1 values, last_page_len
+ * batch_size values. */
+typedef struct tessera_cascade_level_lengths {
+  const int32_t* qo_indptr;
+  const int32_t* page_indptr;
+  const int32_t* last_page_len;
+  int64_t batch_size;
+} tessera_cascade_level_lengths;
+
+/* Index tensors of one level on the plan's device (int32; qo_indptr is not read for a level
+ * whose requests each hold one query row, which runs the decode kernels). */
+typedef struct tessera_cascade_level {
+  const DLTensor* qo_indptr;
+  const DLTensor* page_indptr;
+  const DLTensor* page_indices;
+  const DLTensor* last_page_len;
+} tessera_cascade_level;
+
+TESSERA_API tessera_status tessera_plan_cascade(const tessera_cascade_level_lengths* levels,
+                                                int num_levels, int page_size, int num_qo_heads,
+                                                int num_kv_heads, int head_dim,
+                                                const tessera_attention_options* options,
+                                                int device_type, int device_id,
+                                                tessera_cascade_plan** out);
+/* Workspace a run needs (0 for NULL); the number of levels (0 for NULL). */
+TESSERA_API size_t tessera_cascade_plan_workspace_bytes(const tessera_cascade_plan* plan);
+TESSERA_API int tessera_cascade_plan_num_levels(const tessera_cascade_plan* plan);
+/* Each level's op and partition, as tessera_plan_explain. */
+TESSERA_API tessera_status tessera_cascade_plan_explain(const tessera_cascade_plan* plan,
+                                                        char* buffer, size_t capacity,
+                                                        size_t* needed);
+/* Uploads every level's work lists into the workspace (see tessera_plan_upload). */
+TESSERA_API tessera_status tessera_cascade_plan_upload(tessera_cascade_plan* plan, void* workspace,
+                                                       size_t workspace_bytes, void* stream);
+TESSERA_API void tessera_cascade_plan_destroy(tessera_cascade_plan* plan);
+
+/* q, o [total_q, num_qo_heads, head_dim]; lse optional float32 [total_q, num_qo_heads];
+ * k_cache / v_cache as in tessera_paged_kv with `layout`; levels: num_levels entries as planned.
+ * run_options may be NULL. Every argument is checked before o or lse is written. */
+TESSERA_API tessera_status tessera_run_cascade(
+    const tessera_cascade_plan* plan, const DLTensor* q, const DLTensor* k_cache,
+    const DLTensor* v_cache, int layout, const tessera_cascade_level* levels, int num_levels,
+    const DLTensor* o, const DLTensor* lse, void* workspace, size_t workspace_bytes, void* stream,
+    const tessera_run_options* run_options);
+
 /* ---- CPU backend controls (process-wide) ---- */
 
 /* Threads of the CPU backend: >= 1 pins the count, 0 restores the default
