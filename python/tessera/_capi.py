@@ -152,6 +152,22 @@ class RunOptions(ctypes.Structure):
                 ("enable_pdl", ctypes.c_int32)]
 
 
+class CascadeLevelLengths(ctypes.Structure):
+    """``tessera_cascade_level_lengths``: host lengths of one cascade level."""
+
+    _fields_ = [("qo_indptr", ctypes.POINTER(ctypes.c_int32)),
+                ("page_indptr", ctypes.POINTER(ctypes.c_int32)),
+                ("last_page_len", ctypes.POINTER(ctypes.c_int32)),
+                ("batch_size", ctypes.c_int64)]
+
+
+class CascadeLevel(ctypes.Structure):
+    """``tessera_cascade_level``: index tensors of one cascade level on the plan's device."""
+
+    _fields_ = [("qo_indptr", _DLTensorP), ("page_indptr", _DLTensorP),
+                ("page_indices", _DLTensorP), ("last_page_len", _DLTensorP)]
+
+
 def run_options(sinks_dl: Optional[DLTensor], enable_pdl: bool = False) -> RunOptions:
     """A ``tessera_run_options`` whose sinks are ``sinks_dl`` (None: none), with programmatic
     dependent launch when ``enable_pdl``."""
@@ -243,6 +259,24 @@ _PROTOTYPES: Dict[str, tuple] = {
         _STATUS,
         [_I32P, _I32P, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
          ctypes.c_int, _OPTS_P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_VOIDP)],
+    ),
+    "tessera_plan_cascade": (
+        _STATUS,
+        [ctypes.POINTER(CascadeLevelLengths), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+         ctypes.c_int, ctypes.c_int, _OPTS_P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_VOIDP)],
+    ),
+    "tessera_cascade_plan_workspace_bytes": (ctypes.c_size_t, [_VOIDP]),
+    "tessera_cascade_plan_num_levels": (ctypes.c_int, [_VOIDP]),
+    "tessera_cascade_plan_explain": (
+        _STATUS, [_VOIDP, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+    ),
+    "tessera_cascade_plan_upload": (_STATUS, [_VOIDP, _VOIDP, ctypes.c_size_t, _VOIDP]),
+    "tessera_cascade_plan_destroy": (None, [_VOIDP]),
+    "tessera_run_cascade": (
+        _STATUS,
+        [_VOIDP, _DLTensorP, _DLTensorP, _DLTensorP, ctypes.c_int,
+         ctypes.POINTER(CascadeLevel), ctypes.c_int, _DLTensorP, _DLTensorP, _VOIDP,
+         ctypes.c_size_t, _VOIDP, _RUN_P],
     ),
     "tessera_plan_workspace_bytes": (ctypes.c_size_t, [_VOIDP]),
     "tessera_plan_upload": (_STATUS, [_VOIDP, _VOIDP, ctypes.c_size_t, _VOIDP]),
@@ -422,24 +456,32 @@ def default_rope_options() -> RopeOptionsC:
 class Plan:
     """Owns a ``tessera_plan*``: destroyed when this object is garbage-collected."""
 
-    __slots__ = ("handle", "workspace_bytes", "_destroy", "__weakref__")
+    __slots__ = ("handle", "workspace_bytes", "_destroy", "_explain", "__weakref__")
+    _prefix = "tessera_plan"
 
     def __init__(self, handle: ctypes.c_void_p) -> None:
         library = lib()
         self.handle = handle
-        self.workspace_bytes = int(library.tessera_plan_workspace_bytes(handle))
-        self._destroy = library.tessera_plan_destroy
+        self.workspace_bytes = int(getattr(library, self._prefix + "_workspace_bytes")(handle))
+        self._destroy = getattr(library, self._prefix + "_destroy")
+        self._explain = getattr(library, self._prefix + "_explain")
 
     def explain(self) -> str:
         """Human-readable description of how the batch is partitioned."""
-        library = lib()
         needed = ctypes.c_size_t(0)
-        check(library.tessera_plan_explain(self.handle, None, 0, ctypes.byref(needed)))
+        check(self._explain(self.handle, None, 0, ctypes.byref(needed)))
         buffer = ctypes.create_string_buffer(needed.value)
-        check(library.tessera_plan_explain(self.handle, buffer, needed.value, None))
+        check(self._explain(self.handle, buffer, needed.value, None))
         return buffer.value.decode("utf-8", "replace")
 
     def __del__(self) -> None:
         handle, self.handle = self.handle, None
         if handle:
             self._destroy(handle)
+
+
+class CascadePlan(Plan):
+    """Owns a ``tessera_cascade_plan*`` (same interface as :class:`Plan`)."""
+
+    __slots__ = ()
+    _prefix = "tessera_cascade_plan"

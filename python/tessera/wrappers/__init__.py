@@ -4,6 +4,8 @@
 * :class:`BatchPrefillWithPagedKVCacheWrapper` — chunked prefill / append over a paged KV cache.
 * :class:`BatchDecodeWithPagedKVCacheWrapper` — batch decode (and speculative decoding with a few
   query tokens per request) over a paged KV cache.
+* :class:`MultiLevelCascadeAttentionWrapper` — cascade attention: shared prefixes read once per
+  group of requests, merged exactly with each request's own keys (:mod:`.cascade`).
 
 ``plan(...)`` takes the batch's index arrays (any framework; they are read on the host, once),
 builds Tessera's work partition on the host and keeps it (an opaque ``tessera_plan``), and places
@@ -60,6 +62,7 @@ from __future__ import annotations
 # Also importable from here: the fast path's call (integrations/transformers.py) and the HND view.
 from ._base import _hnd_to_nhd  # noqa: F401
 from ._fast_run import NOT_SERVED, fast_run  # noqa: F401
+from .cascade import MultiLevelCascadeAttentionWrapper
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .paged_prefill import BatchPrefillWithPagedKVCacheWrapper
 from .ragged_prefill import BatchPrefillWithRaggedKVCacheWrapper
@@ -68,4 +71,5 @@ __all__ = [
     "BatchPrefillWithRaggedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
+    "MultiLevelCascadeAttentionWrapper",
 ]
