@@ -122,6 +122,7 @@ void write_json(const std::string& path, const std::string& device_text, DType d
          << ", \"first_q_len\": " << c.q_len_of(0) << ", \"first_kv_len\": " << c.kv_len_of(0)
          << ", \"first_count\": " << c.num_first() << ", \"checked\": " << (c.checked ? 1 : 0)
          << ", \"graph\": " << (c.graph ? 1 : 0) << ", \"pdl\": " << (c.pdl ? 1 : 0)
+         << ", \"shared_prefix\": " << c.shared_prefix << ", \"cascade\": " << (c.cascade ? 1 : 0)
          << ", \"ms\": " << r.milliseconds
          << ", \"min_ms\": " << r.min_milliseconds << ", \"max_ms\": " << r.max_milliseconds
          << ", \"runs\": " << r.runs << ", \"tflops\": " << r.flops / 1e12

@@ -12,6 +12,7 @@
 #include "cpu/reference.hpp"
 #include "devtools/timing.hpp"
 #include "tessera/attention.hpp"
+#include "tessera/cascade.hpp"
 #include "tessera/types.hpp"
 
 namespace tessera::cli {
@@ -39,6 +40,11 @@ struct BenchCase {
   bool graph = false;
   // Launches with programmatic dependent launch (RunOptions::enable_pdl; GPU only).
   bool pdl = false;
+  // Decode with a shared prefix: the first shared_prefix keys (whole pages) of every request
+  // are the same pages of the cache. cascade: run it as cascade attention (the prefix as level
+  // 0, read once for the batch) instead of plain decode over each request's full page list.
+  int shared_prefix = 0;
+  bool cascade = false;
 
   int q_len_of(int b) const { return b < first_count && first_q_len > 0 ? first_q_len : q_len; }
   int kv_len_of(int b) const {
@@ -101,6 +107,11 @@ struct BenchProblem {
   TensorView q_view, k_view, v_view, o_view, lse_view, qo_view, kv_view;
   PagedKVCache paged;
   Plan plan;
+  // Cascade cases: the plan, each level's host arrays, device buffers and views.
+  CascadePlan cascade;
+  std::vector<std::vector<int32_t>> level_arrays;  // per level: qo, page indptr, indices, last
+  std::vector<Buffer> level_buffers;
+  std::vector<CascadeLevel> levels;
 
   bool is_paged() const { return spec.op != AttentionOp::kRaggedPrefill; }
 };

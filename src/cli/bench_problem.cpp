@@ -37,6 +37,68 @@ TensorView int_view(const Buffer& buffer, size_t count, Device device) {
   return make_view(buffer.data(), DType::kInt32, {static_cast<int64_t>(count)}, device);
 }
 
+// Shared-prefix decode: the first shared_prefix / page_size pages of every request become the
+// same pages (those of request 0), and the pages no request uses any more are dropped from the
+// pool, so the cache holds the prefix once.
+void share_prefix_pages(BenchProblem& p) {
+  const BenchCase& c = p.spec;
+  const int32_t shared = c.shared_prefix / c.page_size;
+  std::vector<int32_t> indices;
+  for (int b = 0; b < c.batch; ++b) {
+    for (int32_t i = p.page_indptr[b]; i < p.page_indptr[b + 1]; ++i) {
+      const int32_t local = i - p.page_indptr[b];
+      indices.push_back(local < shared ? p.page_indices[local] : p.page_indices[i]);
+    }
+  }
+  // Renumber the pages in use densely (the order of first use; shuffled ids stay shuffled).
+  std::vector<int32_t> renumber(p.num_pages, -1);
+  int32_t next = 0;
+  for (int32_t& page : indices) {
+    if (renumber[page] < 0) renumber[page] = next++;
+    page = renumber[page];
+  }
+  p.page_indices = std::move(indices);
+  p.num_pages = next;
+}
+
+// Cascade cases: level 0 = the shared prefix, one group of every query row; level 1 = each
+// request's own pages after it.
+void plan_cascade_levels(BenchProblem& p, const AttentionOptions& options) {
+  const BenchCase& c = p.spec;
+  const int32_t shared = c.shared_prefix / c.page_size;
+  std::vector<int32_t> own_indptr = {0}, own_indices;
+  for (int b = 0; b < c.batch; ++b) {
+    for (int32_t i = p.page_indptr[b] + shared; i < p.page_indptr[b + 1]; ++i) {
+      own_indices.push_back(p.page_indices[i]);
+    }
+    own_indptr.push_back(static_cast<int32_t>(own_indices.size()));
+  }
+  p.level_arrays = {{0, static_cast<int32_t>(p.total_q)},
+                    {0, shared},
+                    std::vector<int32_t>(p.page_indices.begin(), p.page_indices.begin() + shared),
+                    {c.page_size},
+                    p.qo_indptr,
+                    own_indptr,
+                    own_indices,
+                    p.last_page_len};
+  p.level_buffers.clear();
+  for (const std::vector<int32_t>& values : p.level_arrays) {
+    p.level_buffers.push_back(int_buffer(p.device, values));
+  }
+  p.levels.clear();
+  for (size_t l = 0; l < 2; ++l) {
+    auto view = [&](size_t i) {
+      return int_view(p.level_buffers[4 * l + i], p.level_arrays[4 * l + i].size(), p.device);
+    };
+    p.levels.push_back({view(0), view(1), view(2), view(3)});
+  }
+  const std::vector<CascadeLevelLengths> lengths = {
+      {p.level_arrays[0], p.level_arrays[1], p.level_arrays[3]},
+      {p.level_arrays[4], p.level_arrays[5], p.level_arrays[7]}};
+  p.cascade = plan_cascade(lengths, c.page_size, c.num_qo_heads, c.num_kv_heads, c.head_dim,
+                           options, p.device);
+}
+
 }  // namespace
 
 void build_problem(BenchProblem& p, uint64_t seed) {
@@ -67,6 +129,7 @@ void build_problem(BenchProblem& p, uint64_t seed) {
     const bool ordered = detail::settings().bench_pages_ordered;
     std::mt19937_64 rng(seed);
     if (!ordered) std::shuffle(p.page_indices.begin(), p.page_indices.end(), rng);
+    if (c.shared_prefix > 0) share_prefix_pages(p);
     const size_t cache_bytes = p.num_pages * c.page_size * row * elem;
     p.k = Buffer(p.device, cache_bytes);
     p.v = Buffer(p.device, cache_bytes);
@@ -102,7 +165,9 @@ void build_problem(BenchProblem& p, uint64_t seed) {
     p.paged.page_indptr = int_view(p.page_indptr_buf, p.page_indptr.size(), p.device);
     p.paged.page_indices = int_view(p.page_indices_buf, p.page_indices.size(), p.device);
     p.paged.last_page_len = int_view(p.last_page_len_buf, p.last_page_len.size(), p.device);
-    if (c.op == AttentionOp::kDecode) {
+    if (c.cascade) {
+      plan_cascade_levels(p, options);
+    } else if (c.op == AttentionOp::kDecode) {
       p.plan = plan_decode(p.page_indptr, p.last_page_len, c.page_size, c.num_qo_heads,
                            c.num_kv_heads, c.head_dim, options, p.device, c.q_len);
     } else {
@@ -116,11 +181,16 @@ void build_problem(BenchProblem& p, uint64_t seed) {
     p.plan = plan_ragged_prefill(p.qo_indptr, p.kv_indptr, c.num_qo_heads, c.num_kv_heads,
                                  c.head_dim, options, p.device);
   }
-  p.workspace = Buffer(p.device, p.plan.workspace_bytes);
+  p.workspace = Buffer(p.device, c.cascade ? p.cascade.workspace_bytes : p.plan.workspace_bytes);
   // A serving engine plans once per step and runs the plan in every layer: the plan's lists are
   // uploaded here, outside the timed call (TESSERA_BENCH_UPLOAD=0 times run()'s own upload).
   if (p.device.type == DeviceType::kCUDA && detail::settings().bench_upload) {
-    upload_plan(p.plan, Workspace{p.workspace.data(), p.workspace.bytes()});
+    const Workspace workspace{p.workspace.data(), p.workspace.bytes()};
+    if (c.cascade) {
+      upload_cascade(p.cascade, workspace);
+    } else {
+      upload_plan(p.plan, workspace);
+    }
   }
 }
 
@@ -134,6 +204,11 @@ void run_once(BenchProblem& p, void* stream) {
   } checking(p.spec.checked);
   RunOptions run_options;
   run_options.enable_pdl = p.spec.pdl;
+  if (p.spec.cascade) {
+    run_cascade(p.cascade, p.q_view, p.paged.k_cache, p.paged.v_cache, p.paged.layout, p.levels,
+                p.o_view, p.lse_view, workspace, stream, run_options);
+    return;
+  }
   switch (p.spec.op) {
     case AttentionOp::kRaggedPrefill:
       run_ragged_prefill(p.plan, p.q_view, p.k_view, p.v_view, p.qo_view, p.kv_view, p.o_view,

@@ -144,6 +144,17 @@ BenchCase mixed_step_case() {
 //    prefix of 2k / 8k / 32k keys, page 16;
 //  * the mixed step of the standard suite (4 x 2048 prefill rows beside 252 decode rows);
 //  * decode 1 x 1k replayed from a CUDA graph, with and without PDL.
+// Decode of `batch` requests that share a `prefix`-key prefix, each with `own` keys after it:
+// plain decode over every request's full page list, or cascade attention (issue 34 item 7).
+BenchCase shared_prefix_case(int batch, int prefix, int own, bool cascade) {
+  BenchCase c = gqa_case(AttentionOp::kDecode, batch, 1, prefix + own, false, 16);
+  c.shared_prefix = prefix;
+  c.cascade = cascade;
+  c.name = "decode gqa32/8 d128 p16 " + std::to_string(batch) + "x(" + std::to_string(prefix / 1024) +
+           "k shared+" + std::to_string(own) + ")" + (cascade ? " cascade" : " plain");
+  return c;
+}
+
 std::vector<BenchCase> serving_cases() {
   std::vector<BenchCase> cases;
   for (int batch : {1, 16, 64}) {
@@ -168,6 +179,7 @@ std::vector<BenchCase> serving_cases() {
     cases.push_back(chunk);
   }
   cases.push_back(mixed_step_case());
+  for (bool cascade : {false, true}) cases.push_back(shared_prefix_case(64, 16384, 512, cascade));
   for (bool pdl : {false, true}) {
     BenchCase graph = gqa_case(AttentionOp::kDecode, 1, 1, 1024, false, 16);
     graph.graph = true;
@@ -263,7 +275,10 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
   cases.push_back(gqa_case(AttentionOp::kRaggedPrefill, 1, s / 2, s / 2, true, 0));
   cases.push_back(gqa_case(AttentionOp::kPagedPrefill, 1, s / 2, s / 2, true, 16));
   cases.push_back(gqa_case(AttentionOp::kDecode, 8, 1, quick ? 1024 : 4096, false, 16));
-  if (!quick) cases.push_back(gqa_case(AttentionOp::kDecode, 1, 1, 32768, false, 16));
+  if (!quick) {
+    cases.push_back(gqa_case(AttentionOp::kDecode, 1, 1, 32768, false, 16));
+    for (bool cascade : {false, true}) cases.push_back(shared_prefix_case(16, 4096, 256, cascade));
+  }
   return cases;
 }
 
