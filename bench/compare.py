@@ -151,6 +151,10 @@ def flashinfer_kind(case):
     """("ragged" | "paged" | "decode", "") for a case FlashInfer runs, else (None, why not)."""
     if case.get("checked", 0) or case.get("graph", 0):
         return None, "checked mode / graph replay: tessera only"
+    if case.get("cascade", 0):
+        # FlashInfer's plain decode of this batch is the row's "plain" twin; its
+        # MultiLevelCascadeAttentionWrapper is not driven here.
+        return None, "cascade: compare with the plain row of the same batch"
     op = case["op"]
     if op == "ragged_prefill":
         return "ragged", ""
