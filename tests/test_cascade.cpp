@@ -3,7 +3,7 @@
 // levels, nested groups, GQA, page sizes 1..128, NHD / HND, causal, soft-cap, sinks, rows without
 // keys, unused cache slots NaN), on the fast path and on the reference backend; the equivalence
 // with one paged prefill over the concatenated pages; the decode / prefill choice per level;
-// bad input (named, outputs untouched).
+// bad input (named; outputs and workspace untouched).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -214,9 +214,10 @@ class CascadeErrors : public ::testing::Test {
     }
     return "";
   }
-  void expect_untouched() {
+  void expect_untouched() {  // outputs and workspace (every level is checked before any runs)
     for (uint8_t byte : o_) ASSERT_EQ(byte, 0x5a);
     for (float value : lse_) ASSERT_EQ(value, 7.0f);
+    for (uint8_t byte : workspace_) ASSERT_EQ(byte, 0);
   }
   CascadeCase c_;
   CascadeData data_;

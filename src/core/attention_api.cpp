@@ -4,6 +4,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/attention_run.hpp"
 #include "core/dispatch.hpp"
 #include "core/nonfinite_check.hpp"
 #include "core/paged_source.hpp"
@@ -235,13 +236,19 @@ AttentionProblem base_problem(const Plan& plan, const TensorView& q, const Tenso
   return problem;
 }
 
-// k_scale / v_scale dequantise an fp8 cache; for fp16/bf16 K/V they are documented as ignored,
-// so every backend sees 1 there. Checked mode also rejects a NaN / inf input the call reads.
-void dispatch(const ArgChecker& check, const Plan& plan, AttentionProblem& problem,
-              Workspace workspace, void* stream) {
+// The last checks of a run, after which it only launches: k_scale / v_scale dequantise an fp8
+// cache (for fp16/bf16 K/V they are documented as ignored, so every backend sees 1 there), and
+// checked mode rejects a NaN / inf input the call reads.
+void finish_checks(const ArgChecker& check, const Plan& plan, AttentionProblem& problem,
+                   void* stream) {
   const bool fp8 = problem.kv.dtype == DType::kFloat8E4M3 || problem.kv.dtype == DType::kFloat8E5M2;
   if (!fp8) problem.k_scale = problem.v_scale = 1.0f;
   if (index_checking()) detail::check_finite_inputs(check, plan, problem, stream);
+}
+
+void dispatch(const ArgChecker& check, const Plan& plan, AttentionProblem& problem,
+              Workspace workspace, void* stream) {
+  finish_checks(check, plan, problem, stream);
   detail::dispatch_attention(plan, problem, workspace, stream);
 }
 
@@ -494,33 +501,44 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
 void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
                        const TensorView& qo_indptr, const TensorView& o, const TensorView& lse,
                        Workspace workspace, void* stream, const RunOptions& run_options) {
-  const ArgChecker check("run_paged_prefill");
-  check_plan_op(check, plan, AttentionOp::kPagedPrefill);
-  check_q_o_lse(check, plan, q, o, lse);
-  KVSource source = paged_source(check, plan, kv, q, stream);
-  check_qo_indptr(check, plan, qo_indptr, stream);
-  check_workspace(check, plan, workspace);
-  AttentionProblem problem = base_problem(plan, q, o, lse);
-  problem.qo_indptr = qo_indptr.ptr<const int32_t>();
-  problem.kv = source;
-  set_sinks(check, plan, run_options, problem);
-  dispatch(check, plan, problem, workspace, stream);
+  detail::dispatch_attention(
+      plan,
+      detail::prepare_paged_run(AttentionOp::kPagedPrefill, plan, q, kv, qo_indptr, o, lse,
+                                workspace, stream, run_options),
+      workspace, stream);
 }
 
 void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
                 const TensorView& o, const TensorView& lse, Workspace workspace, void* stream,
                 const RunOptions& run_options) {
-  const ArgChecker check("run_decode");
-  check_plan_op(check, plan, AttentionOp::kDecode);
+  detail::dispatch_attention(
+      plan,
+      detail::prepare_paged_run(AttentionOp::kDecode, plan, q, kv, {}, o, lse, workspace, stream,
+                                run_options),
+      workspace, stream);
+}
+
+detail::AttentionProblem detail::prepare_paged_run(AttentionOp op, const Plan& plan,
+                                                   const TensorView& q,
+                                                   const PagedKVCache& kv,
+                                                   const TensorView& qo_indptr,
+                                                   const TensorView& o, const TensorView& lse,
+                                                   Workspace workspace, void* stream,
+                                                   const RunOptions& run_options) {
+  const bool decode = op == AttentionOp::kDecode;
+  const ArgChecker check(decode ? "run_decode" : "run_paged_prefill");
+  check_plan_op(check, plan, op);
   check_q_o_lse(check, plan, q, o, lse);
   KVSource source = paged_source(check, plan, kv, q, stream);
+  if (!decode) check_qo_indptr(check, plan, qo_indptr, stream);
   check_workspace(check, plan, workspace);
   AttentionProblem problem = base_problem(plan, q, o, lse);
-  problem.qo_indptr = nullptr;
-  problem.q_per_request = plan.batch_size > 0 ? plan.q_lens[0] : 1;
+  problem.qo_indptr = decode ? nullptr : qo_indptr.ptr<const int32_t>();
+  if (decode) problem.q_per_request = plan.batch_size > 0 ? plan.q_lens[0] : 1;
   problem.kv = source;
   set_sinks(check, plan, run_options, problem);
-  dispatch(check, plan, problem, workspace, stream);
+  finish_checks(check, plan, problem, stream);
+  return problem;
 }
 
 // ---------------------------------------------------------------- one-shot

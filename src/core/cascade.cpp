@@ -6,6 +6,8 @@
 #include <sstream>
 #include <utility>
 
+#include "core/attention_run.hpp"
+#include "core/dispatch.hpp"
 #include "core/validate.hpp"
 #include "tessera/ops.hpp"
 
@@ -78,18 +80,10 @@ void check_cascade_output(const ArgChecker& check, const CascadePlan& plan, cons
   check.require(lse.is_contiguous(), "lse", "expected a contiguous tensor");
 }
 
-// Runs level l of the plan into (o, lse).
-void run_level(const CascadePlan& plan, int l, const TensorView& q, const PagedKVCache& kv,
-               const TensorView& qo_indptr, const TensorView& o, const TensorView& lse,
-               Workspace workspace, void* stream, const RunOptions& run_options) {
-  const Plan& level = plan.levels[static_cast<size_t>(l)];
-  const Workspace own{static_cast<char*>(workspace.data) + plan.level_offsets[static_cast<size_t>(l)],
-                      level.workspace_bytes};
-  if (level.op == AttentionOp::kDecode) {
-    run_decode(level, q, kv, o, lse, own, stream, run_options);
-  } else {
-    run_paged_prefill(level, q, kv, qo_indptr, o, lse, own, stream, run_options);
-  }
+// Level l's own part of the workspace.
+Workspace level_workspace(const CascadePlan& plan, int l, Workspace workspace) {
+  return {static_cast<char*>(workspace.data) + plan.level_offsets[static_cast<size_t>(l)],
+          plan.levels[static_cast<size_t>(l)].workspace_bytes};
 }
 
 // Prefixes a level's error with the level, keeping its kind.
@@ -177,9 +171,7 @@ void upload_cascade(CascadePlan& plan, Workspace workspace, void* stream) {
   });
   for (int l = 0; l < plan.num_levels(); ++l) {
     Plan& level = plan.levels[static_cast<size_t>(l)];
-    const Workspace own{static_cast<char*>(workspace.data) + plan.level_offsets[static_cast<size_t>(l)],
-                        level.workspace_bytes};
-    for_level(l, [&] { upload_plan(level, own, stream); });
+    for_level(l, [&] { upload_plan(level, level_workspace(plan, l, workspace), stream); });
   }
 }
 
@@ -209,25 +201,31 @@ void run_cascade(const CascadePlan& plan, const TensorView& q, const TensorView&
   // The sink joins the softmax once: in the last level's state.
   RunOptions upper_options = run_options;
   upper_options.sinks = TensorView{};
-  if (num_levels == 1) {
-    for_level(0, [&] {
-      run_level(plan, 0, q, cache_of(0), levels[0].qo_indptr, o, lse, workspace, stream,
-                run_options);
-    });
-    return;
-  }
   std::vector<StateViews> states;
   for (int l = 0; l < num_levels; ++l) {
-    states.push_back(state_views(plan, workspace, plan.state_offsets[static_cast<size_t>(l)], q.dtype));
+    states.push_back(num_levels == 1
+                         ? StateViews{o, lse}
+                         : state_views(plan, workspace, plan.state_offsets[static_cast<size_t>(l)],
+                                       q.dtype));
   }
-  // Last level first: a bad argument of any level is found before the merges write o.
-  for (int l = num_levels - 1; l >= 0; --l) {
-    const StateViews& state = states[static_cast<size_t>(l)];
+  // Every level is checked before any runs: a bad argument writes nothing, workspace included.
+  std::vector<detail::AttentionProblem> problems;
+  for (int l = 0; l < num_levels; ++l) {
     for_level(l, [&] {
-      run_level(plan, l, q, cache_of(l), levels[static_cast<size_t>(l)].qo_indptr, state.o,
-                state.lse, workspace, stream, l + 1 == num_levels ? run_options : upper_options);
+      const Plan& level = plan.levels[static_cast<size_t>(l)];
+      problems.push_back(detail::prepare_paged_run(
+          level.op, level, q, cache_of(l),
+          levels[static_cast<size_t>(l)].qo_indptr, states[static_cast<size_t>(l)].o,
+          states[static_cast<size_t>(l)].lse, level_workspace(plan, l, workspace), stream,
+          l + 1 == num_levels ? run_options : upper_options));
     });
   }
+  for (int l = 0; l < num_levels; ++l) {
+    detail::dispatch_attention(plan.levels[static_cast<size_t>(l)],
+                               problems[static_cast<size_t>(l)], level_workspace(plan, l, workspace),
+                               stream);
+  }
+  if (num_levels == 1) return;
   if (num_levels == 2) {
     merge_state(states[0].o, states[0].lse, states[1].o, states[1].lse, o, lse, stream);
     return;

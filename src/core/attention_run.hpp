@@ -1,0 +1,18 @@
+// The validation half of run_paged_prefill / run_decode, for callers that must check every call
+// of a sequence before launching any of them (cascade attention, src/core/cascade.cpp).
+#pragma once
+
+#include "core/problem.hpp"
+#include "tessera/attention.hpp"
+
+namespace tessera::detail {
+
+// Every check of run_paged_prefill (op kPagedPrefill) or run_decode (kDecode: qo_indptr is not
+// read), checked mode's included; returns the problem that dispatch_attention
+// (core/dispatch.hpp) runs. Throws tessera::Error naming the argument; writes nothing.
+AttentionProblem prepare_paged_run(AttentionOp op, const Plan& plan, const TensorView& q, const PagedKVCache& kv,
+                                   const TensorView& qo_indptr, const TensorView& o,
+                                   const TensorView& lse, Workspace workspace, void* stream,
+                                   const RunOptions& run_options);
+
+}  // namespace tessera::detail
