@@ -518,6 +518,11 @@ void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
       workspace, stream);
 }
 
+void detail::check_run_outputs(const ArgChecker& check, const Plan& plan, const TensorView& q,
+                               const TensorView& o, const TensorView& lse) {
+  check_q_o_lse(check, plan, q, o, lse);
+}
+
 detail::AttentionProblem detail::prepare_paged_run(AttentionOp op, const Plan& plan,
                                                    const TensorView& q,
                                                    const PagedKVCache& kv,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "core/problem.hpp"
+#include "core/validate.hpp"
 #include "tessera/attention.hpp"
 
 namespace tessera::detail {
@@ -14,5 +15,10 @@ AttentionProblem prepare_paged_run(AttentionOp op, const Plan& plan, const Tenso
                                    const TensorView& qo_indptr, const TensorView& o,
                                    const TensorView& lse, Workspace workspace, void* stream,
                                    const RunOptions& run_options);
+
+// The run calls' checks of q [total_q, num_qo_heads, head_dim], o (q's shape and dtype) and the
+// optional lse [total_q, num_qo_heads] against `plan`.
+void check_run_outputs(const ArgChecker& check, const Plan& plan, const TensorView& q,
+                       const TensorView& o, const TensorView& lse);
 
 }  // namespace tessera::detail

@@ -57,29 +57,6 @@ StateViews state_views(const CascadePlan& plan, Workspace workspace, size_t offs
   return views;
 }
 
-void check_cascade_output(const ArgChecker& check, const CascadePlan& plan, const TensorView& q,
-                          const TensorView& o, const TensorView& lse) {
-  constexpr std::string_view layout = "[total_q, num_qo_heads, head_dim]";
-  check.tensor(q, "q", 3, layout);
-  check.device_is(q, "q", plan.device);
-  check.dim_is(q, "q", 0, plan.total_q, "total query tokens of the plan");
-  check.dim_is(q, "q", 1, plan.num_qo_heads, "num_qo_heads of the plan");
-  check.dim_is(q, "q", 2, plan.head_dim, "head_dim of the plan");
-  check.tensor(o, "o", 3, layout);
-  check.output(o, "o");
-  check.dtype_is(o, "o", q.dtype);
-  check.device_is(o, "o", plan.device);
-  for (int d = 0; d < 3; ++d) check.dim_is(o, "o", d, q.shape[d], "same shape as q");
-  if (!has_value(lse)) return;
-  check.tensor(lse, "lse", 2, "[total_q, num_qo_heads] of float32");
-  check.output(lse, "lse");
-  check.dtype_is(lse, "lse", DType::kFloat32);
-  check.device_is(lse, "lse", plan.device);
-  check.dim_is(lse, "lse", 0, plan.total_q, "total query tokens");
-  check.dim_is(lse, "lse", 1, plan.num_qo_heads, "num_qo_heads");
-  check.require(lse.is_contiguous(), "lse", "expected a contiguous tensor");
-}
-
 // Level l's own part of the workspace.
 Workspace level_workspace(const CascadePlan& plan, int l, Workspace workspace) {
   return {static_cast<char*>(workspace.data) + plan.level_offsets[static_cast<size_t>(l)],
@@ -186,7 +163,11 @@ void run_cascade(const CascadePlan& plan, const TensorView& q, const TensorView&
     return "expected " + std::to_string(num_levels) + " levels (as planned), got " +
            std::to_string(levels.size());
   });
-  check_cascade_output(check, plan, q, o, lse);
+  // The levels share total_q, heads, head_dim and device: the last one's plan checks q, o, lse.
+  detail::check_run_outputs(check, plan.levels.back(), q, o, lse);
+  // The merges read and write lse rows contiguously.
+  check.require(num_levels == 1 || !has_value(lse) || lse.is_contiguous(), "lse",
+                "expected a contiguous tensor");
   check.require(workspace.bytes >= plan.workspace_bytes, "workspace", [&] {
     return "too small: the cascade plan needs " + std::to_string(plan.workspace_bytes) +
            " bytes, got " + std::to_string(workspace.bytes);
