@@ -1,9 +1,13 @@
 """tessera.serving on the CPU (numpy, tiny configs): greedy tokens against a dense reference,
 continuous batching and chunked prefill against one-at-a-time runs, prefix reuse, the page
-allocator, and a small soak with
-cancellations."""
+allocator, a small soak with cancellations, and the serve-bench CLI."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -230,3 +234,39 @@ def test_soak_random_requests_cancellations_and_prefix_reuse(model):
         else:
             assert request.output == expected
 
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "tessera.serving", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_prints_metrics():
+    result = run_cli("--requests", "6", "--prompt-len", "24", "--output-len", "5",
+                     "--shared-prefix-len", "8", "--page-size", "8", "--max-tokens-per-step",
+                     "64", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["output_tokens"] == 30 and report["device"] == "cpu"
+    assert report["free_pages_after"] == report["num_pages"]
+    assert report["prompt_tokens_reused"] > 0
+    for metric in ("ttft_ms", "tpot_ms"):
+        assert set(report[metric]) == {"p50", "p90", "p99"}
+        assert 0 < report[metric]["p50"] <= report[metric]["p99"]
+    assert report["output_tokens_per_s"] > 0 and report["peak_memory"]["bytes"] > 0
+    text = run_cli("--requests", "2", "--prompt-len", "5", "--output-len", "3")
+    assert text.returncode == 0, text.stderr
+    for word in ("output tok/s", "TTFT ms", "TPOT ms", "p99", "peak memory"):
+        assert word in text.stdout
+    bad = run_cli("--prompt-len", "4", "--shared-prefix-len", "5")
+    assert bad.returncode == 2 and "--shared-prefix-len" in bad.stderr
+
+
+def test_console_script_runs_the_bench():
+    script = Path(sys.executable).parent / "tessera-serve-bench"
+    if not script.exists():
+        pytest.skip("no tessera-serve-bench console script (the package is not pip-installed)")
+    result = subprocess.run([str(script), "--requests", "2", "--prompt-len", "4",
+                             "--output-len", "2", "--json"], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["output_tokens"] == 4
