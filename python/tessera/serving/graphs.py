@@ -18,7 +18,12 @@ grow every step, so attention stays outside the graphs. For a bucket of ``B`` ro
 
 A step of ``b`` requests runs in the smallest bucket ``B >= b`` (1, 2, 4, ... up to
 ``max_batch_size``); rows ``b .. B-1`` carry token 0 and zero attention and are ignored. The
-graphs of all buckets share one memory pool and are captured the first time a bucket is used.
+graphs of all buckets share one memory pool and are captured the first time a bucket is used
+(or all at once by :meth:`DecodeGraphs.capture`). Sharing is safe here because every tensor a
+graph leaves for later (q/k/v, hidden states, tokens) stays referenced, so no later capture is
+given its memory, and a step replays its bucket's graphs in capture order, each consuming only
+what an earlier graph of the same step produced; the static inputs (token ids, attention
+outputs) are allocated outside the pool.
 """
 
 from __future__ import annotations
@@ -103,6 +108,11 @@ class DecodeGraphs:
         if size not in self._buckets:
             self._buckets[size] = _Bucket(self.engine, size, self._pool)
         return self._buckets[size]
+
+    def capture(self) -> None:
+        """Captures every bucket now (the benchmark does, so no capture lands in a timed run)."""
+        for size in self.sizes:
+            self.bucket(size)
 
     def run(self, token_ids: np.ndarray, qo_indptr: np.ndarray, kv_indptr: np.ndarray,
             kv_indices: np.ndarray, kv_last_page_len: np.ndarray, positions: np.ndarray) -> Any:

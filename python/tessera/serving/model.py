@@ -115,7 +115,7 @@ def random_llama_weights(config: Mapping[str, Any], seed: int = 0, dtype: Any = 
     else:
         import torch
 
-        generator = torch.Generator(device).manual_seed(seed)
+        generator = torch.Generator(device=device).manual_seed(seed)
 
         def matrix(rows: int, cols: int) -> Array:
             return (torch.randn(rows, cols, generator=generator, device=device) *
