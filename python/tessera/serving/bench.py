@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -24,6 +25,7 @@ from .engine import Engine
 from .model import CONFIGS, LlamaModel, random_llama_weights
 
 PERCENTILES = (50, 90, 99)
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "TESSERA_NUM_THREADS")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -125,6 +127,8 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
     if args.warmup:
         engine.generate(prompts(args, args.warmup, args.seed + 1), args.output_len)
         engine.allocator.clear_prefix_cache()  # the timed run starts cold
+    if engine.graphs is not None:
+        engine.graphs.capture()
     if engine.device is not None and engine.device.type == "cuda":
         import torch
 
@@ -160,6 +164,9 @@ def run_bench(args: argparse.Namespace) -> Dict[str, Any]:
         "pages_allocated": engine.allocator.pages_allocated - allocated_before,
         "prompt_tokens_reused": sum(r.num_prefix_reused for r in requests),
         "free_pages_after": engine.allocator.num_free,
+        # numpy's BLAS and Tessera's CPU backend both start a thread per core; on a small CPU
+        # they oversubscribe it (docs/SERVING.md), so the report says what they were told.
+        "thread_env": {name: os.environ.get(name) for name in THREAD_ENV},
     }
 
 
@@ -187,6 +194,9 @@ def format_report(result: Dict[str, Any]) -> str:
         f"{result['prompt_tokens_reused']}, free pages after {result['free_pages_after']} of "
         f"{result['num_pages']}",
     ]
+    if result["device"] == "cpu":
+        lines.append("threads: " + ", ".join(f"{name}={value or 'unset'}" for name, value in
+                                            result["thread_env"].items()))
     return "\n".join(lines)
 
 
