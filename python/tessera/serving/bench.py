@@ -41,8 +41,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--config", default="tiny", choices=sorted(CONFIGS),
                         help="model config (Hugging Face LlamaConfig fields)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default=None,
-                        help="float32 (CPU default), float16 or bfloat16 (CUDA default)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                        help="float32 (CPU default; not on CUDA, whose kernels take 16-bit), "
+                             "float16, bfloat16 (CUDA default; not on the CPU: numpy has no "
+                             "bfloat16 GEMM)")
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--num-pages", type=int, default=None,
                         help="KV pages per layer (default: enough for every request at once)")
@@ -62,6 +64,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                  "max_batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.dtype == ("bfloat16" if args.device == "cpu" else "float32"):
+        parser.error(f"--dtype {args.dtype}: not on --device {args.device} (see --help)")
     if not 0 <= args.shared_prefix_len <= args.prompt_len:
         parser.error(f"--shared-prefix-len: expected 0 .. --prompt-len ({args.prompt_len}), got "
                      f"{args.shared_prefix_len}")

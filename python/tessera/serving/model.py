@@ -178,7 +178,8 @@ class _Ops:
     def silu(self, x: Array) -> Array:
         if self.torch is not None:
             return self.torch.nn.functional.silu(x)
-        return x / (1.0 + np.exp(-x))
+        # x * sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2: no overflow of exp(-x).
+        return x * (0.5 + 0.5 * np.tanh(0.5 * x))
 
     def argmax(self, logits: Array) -> Array:
         if self.torch is not None:
