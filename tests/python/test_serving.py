@@ -88,6 +88,23 @@ def test_staggered_arrivals_and_chunked_prefill_match_one_at_a_time(model):
     assert engine.allocator.num_free == 256
 
 
+def test_every_running_request_advances_each_step(model):
+    # A budget of 3 tokens below max_batch_size 8: the budget bounds the running requests (3),
+    # and none is skipped a step.
+    rng = np.random.default_rng(4)
+    prompts = random_prompts(rng, 6, 1, 10)
+    engine = Engine(model, num_pages=64, page_size=4, max_tokens_per_step=3, max_batch_size=8)
+    requests = [engine.add_request(p, 5) for p in prompts]
+    while engine.has_work:
+        before = {r.request_id: r.num_computed for r in engine.scheduler.running}
+        engine.step()
+        assert len(engine.scheduler.running) <= 3
+        for request in requests:
+            if request.request_id in before:
+                assert request.num_computed > before[request.request_id]
+    assert [r.output for r in requests] == solo_outputs(model, [(p, 5, None) for p in prompts])
+
+
 def test_eos_stops_a_request(model):
     prompt = [5, 6, 7, 8, 9]
     full = solo_outputs(model, [(prompt, 8, None)])[0]

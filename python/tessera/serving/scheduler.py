@@ -8,6 +8,10 @@ Each step the scheduler fills a token budget (``max_tokens_per_step``) in this o
 3. new requests from the queue, first come first served, while budget, batch slots
    (``max_batch_size`` running requests) and KV pages last.
 
+Every running request gets at least one token each step: a request is only admitted with
+budget to spare after all running ones were served, and takes at least one token, so never more
+requests run than the budget has tokens.
+
 Pages are reserved when a request is admitted: every page its prompt plus ``max_new_tokens``
 can fill, less the full prompt pages found in the prefix cache. So a running request never waits
 for a page and nothing is ever preempted; a request that does not fit waits in the queue (and
