@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -127,7 +127,6 @@ class Engine:
 
             self.graphs = DecodeGraphs(self, max_batch_size)
         self._ids = itertools.count()
-        self.requests: Dict[int, Request] = {}
         self.num_steps = 0
         self.num_decode_steps = 0  # steps of decodes only
         self.num_mixed_steps = 0  # steps with prefill chunks and decodes together
@@ -166,7 +165,6 @@ class Engine:
             raise ValueError(f"'prompt': token ids must be in [0, {vocab}) (vocab_size)")
         request = Request(next(self._ids), prompt, int(max_new_tokens), eos_token_id)
         self.scheduler.add(request)
-        self.requests[request.request_id] = request
         return request
 
     def cancel(self, request: Request) -> None:
