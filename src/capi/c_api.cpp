@@ -46,6 +46,7 @@ tessera_status status_of(Error::Kind kind) {
     case Error::Kind::kInvalidArgument: return TESSERA_ERROR_INVALID_ARGUMENT;
     case Error::Kind::kUnsupported: return TESSERA_ERROR_UNSUPPORTED;
     case Error::Kind::kRuntime: return TESSERA_ERROR_RUNTIME;
+    case Error::Kind::kOutOfMemory: return TESSERA_ERROR_OUT_OF_MEMORY;
   }
   return TESSERA_ERROR_RUNTIME;
 }
@@ -301,6 +302,21 @@ int tessera_cuda_device_count(void) {
   } catch (...) {
     return 0;  // a driver that cannot be queried has no usable device
   }
+}
+
+const char* tessera_cuda_unavailable_reason(void) {
+  thread_local std::string reason;
+  try {
+    reason = tessera::cuda_unavailable_reason();
+  } catch (...) {
+    return "the CUDA backend could not be queried (out of memory)";
+  }
+  return reason.c_str();
+}
+
+tessera_status tessera_cuda_after_device_reset(int device_id) {
+  return guarded("tessera_cuda_after_device_reset",
+                 [&] { tessera::cuda_after_device_reset(device_id); });
 }
 
 tessera_status tessera_stream_capture_id(void* stream, uint64_t* capture_id) {
