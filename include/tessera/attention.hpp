@@ -313,6 +313,9 @@ void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
 
 // ---- one-shot calls (plan + run with an internal workspace; indptr arrays read on the host,
 // so for CUDA tensors these synchronise: use plan/run on a serving hot path) ----
+// On a CUDA stream being captured into a graph they throw Error(kInvalidArgument) naming
+// 'stream' before any CUDA call (the capture stays valid); when their workspace cannot be
+// allocated, Error(kOutOfMemory) naming 'workspace' and its bytes. Nothing is written then.
 void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& v,
                     const TensorView& qo_indptr, const TensorView& kv_indptr, const TensorView& o,
                     const TensorView& lse = {}, const AttentionOptions& options = {},

@@ -38,6 +38,24 @@ bool index_checking();
 // True when this build has the CUDA backend and a CUDA device is visible.
 bool cuda_available();
 int cuda_device_count();
+// Why no CUDA device is usable, "" when one is: "this build of tessera has no CUDA backend",
+// or the CUDA runtime's answer, e.g. on a host without the NVIDIA driver "cudaGetDeviceCount
+// failed: cudaErrorInsufficientDriver (...); the NVIDIA driver (libcuda.so.1) is missing or
+// older than the CUDA runtime 13.0 this library was built with". Never throws. A call on a
+// CUDA device then fails with Error(kUnsupported) quoting it; the CPU backend is unaffected.
+std::string cuda_unavailable_reason();
+
+// Call after cudaDeviceReset(device) (or anything else that destroys the device's primary
+// context) before using the library on that device again. A reset frees every allocation of
+// the device and forgets every function attribute set in its context; what the library kept
+// for it is then stale: which plan each workspace address holds (the next allocations reuse
+// the addresses, so a run_*() could skip its upload and read a workspace that never got it),
+// its pinned staging buffers and events, and the kernels' shared-memory opt-ins. This forgets
+// all of it (every workspace's upload, on every device: each plan's next run_*() uploads
+// again). Plans are host objects and stay valid; tensors and workspaces must be allocated
+// anew (and upload_plan called again where CUDA graphs replay them). Throws Error(kUnsupported)
+// without a usable CUDA device and Error(kInvalidArgument) for an index out of range.
+void cuda_after_device_reset(int device);
 
 // The id of the CUDA graph capture in progress on `stream` (a cudaStream_t; the CUDA runtime's
 // capture sequence id, unique per capture in the process), or 0 when no capture is active on it.

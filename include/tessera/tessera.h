@@ -71,6 +71,16 @@ TESSERA_API const char* tessera_version(void);
 TESSERA_API int tessera_abi_version(void);
 /* Visible CUDA devices; 0 in a CPU-only build or without a driver. */
 TESSERA_API int tessera_cuda_device_count(void);
+/* Why no CUDA device is usable; "" when one is (e.g. "this build of tessera has no CUDA
+ * backend", or on a host without the NVIDIA driver the CUDA runtime's answer naming
+ * libcuda.so.1). Never NULL; valid until the next call of it on this thread. */
+TESSERA_API const char* tessera_cuda_unavailable_reason(void);
+/* Call after cudaDeviceReset(device_id) before using the library on that device again: forgets
+ * every workspace's plan upload (on every device), the device's pinned staging buffers and the
+ * kernels' shared-memory opt-ins (tessera/backend.hpp: cuda_after_device_reset). Plans stay
+ * valid; tensors and workspaces must be allocated anew. TESSERA_ERROR_UNSUPPORTED without a
+ * usable CUDA device, TESSERA_ERROR_INVALID_ARGUMENT for an index out of range. */
+TESSERA_API tessera_status tessera_cuda_after_device_reset(int device_id);
 /* *capture_id = the id of the CUDA graph capture in progress on `stream` (a cudaStream_t; NULL is
  * the legacy default stream; unique per capture in the process), 0 when no capture is active on
  * it (none, or one invalidated by a prohibited call), in a CPU-only build or without a CUDA

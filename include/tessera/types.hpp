@@ -37,9 +37,12 @@ struct Device {
 std::string device_name(Device device);
 
 // Error thrown by every C++ entry point. The message names the argument and what was expected.
+// kOutOfMemory: memory the library allocates itself could not be had (the one-shot calls'
+// workspace, checked mode's scan buffer, a failed cudaMalloc); the C ABI's
+// TESSERA_ERROR_OUT_OF_MEMORY. Nothing was written and the library stays usable.
 class Error : public std::runtime_error {
  public:
-  enum class Kind { kInvalidArgument, kUnsupported, kRuntime };
+  enum class Kind { kInvalidArgument, kUnsupported, kRuntime, kOutOfMemory };
   Error(Kind kind, const std::string& message) : std::runtime_error(message), kind_(kind) {}
   Kind kind() const { return kind_; }
 

@@ -41,6 +41,21 @@ int tessera_cuda_device_count(void) {
   }
 }
 
+const char* tessera_cuda_unavailable_reason(void) {
+  thread_local std::string reason;
+  try {
+    reason = tessera::cuda_unavailable_reason();
+  } catch (...) {
+    return "the CUDA backend could not be queried (out of memory)";
+  }
+  return reason.c_str();
+}
+
+tessera_status tessera_cuda_after_device_reset(int device_id) {
+  return guarded("tessera_cuda_after_device_reset",
+                 [&] { tessera::cuda_after_device_reset(device_id); });
+}
+
 tessera_status tessera_stream_capture_id(void* stream, uint64_t* capture_id) {
   return guarded("tessera_stream_capture_id", [&] {
     if (capture_id == nullptr) {

@@ -46,6 +46,7 @@ inline tessera_status status_of(Error::Kind kind) {
     case Error::Kind::kInvalidArgument: return TESSERA_ERROR_INVALID_ARGUMENT;
     case Error::Kind::kUnsupported: return TESSERA_ERROR_UNSUPPORTED;
     case Error::Kind::kRuntime: return TESSERA_ERROR_RUNTIME;
+    case Error::Kind::kOutOfMemory: return TESSERA_ERROR_OUT_OF_MEMORY;
   }
   return TESSERA_ERROR_RUNTIME;
 }

@@ -27,6 +27,9 @@ int run_info() {
   std::cout << "\n"
             << describe_device(Device{DeviceType::kCPU, 0}) << "\n"
             << "cuda devices: " << cuda_device_count() << "\n";
+  if (build.cuda && cuda_device_count() == 0) {
+    std::cout << "  (" << cuda_unavailable_reason() << ")\n";
+  }
   for (int i = 0; i < cuda_device_count(); ++i) {
     std::cout << "  " << describe_device(Device{DeviceType::kCUDA, i}) << "\n";
   }

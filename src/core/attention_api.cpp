@@ -130,6 +130,15 @@ void check_plan_op(const ArgChecker& check, const Plan& plan, AttentionOp op) {
   });
 }
 
+// Checked mode copies the index arrays to the host and scans the inputs, synchronising the
+// stream: refused, before any of it, on a stream being captured (the capture stays valid).
+void check_checked_mode_stream(const ArgChecker& check, const Plan& plan, void* stream) {
+  if (plan.device.type == DeviceType::kCPU || !index_checking()) return;
+  detail::check_not_capturing(check, plan.device, stream,
+                              "checked mode (set_index_checking / TESSERA_CHECK=1) copies the "
+                              "index arrays to the host and synchronises the stream");
+}
+
 std::initializer_list<DType> q_dtypes(Device device) {
   static constexpr std::initializer_list<DType> kCpu = {DType::kFloat16, DType::kBFloat16,
                                                         DType::kFloat32};
@@ -452,6 +461,7 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
                         Workspace workspace, void* stream, const RunOptions& run_options) {
   const ArgChecker check("run_ragged_prefill");
   check_plan_op(check, plan, AttentionOp::kRaggedPrefill);
+  check_checked_mode_stream(check, plan, stream);
   check_q_o_lse(check, plan, q, o, lse);
   constexpr std::string_view kv_layout = "[total_kv, num_kv_heads, head_dim]";
   const int64_t total_kv = total_of(plan.kv_lens);
@@ -533,6 +543,7 @@ detail::AttentionProblem detail::prepare_paged_run(AttentionOp op, const Plan& p
   const bool decode = op == AttentionOp::kDecode;
   const ArgChecker check(decode ? "run_decode" : "run_paged_prefill");
   check_plan_op(check, plan, op);
+  check_checked_mode_stream(check, plan, stream);
   check_q_o_lse(check, plan, q, o, lse);
   KVSource source = paged_source(check, plan, kv, q, stream);
   if (!decode) check_qo_indptr(check, plan, qo_indptr, stream);
@@ -549,6 +560,11 @@ detail::AttentionProblem detail::prepare_paged_run(AttentionOp op, const Plan& p
 // ---------------------------------------------------------------- one-shot
 
 namespace {
+
+// Why a one-shot call cannot run inside a CUDA-graph capture (detail::check_not_capturing).
+constexpr const char* kOneShotSyncs =
+    "a one-shot call reads its index arrays back to the host (synchronising the stream) and "
+    "allocates its workspace";
 
 void check_one_shot_q(const ArgChecker& check, const TensorView& q) {
   check.tensor(q, "q", 3, "[total_q, num_qo_heads, head_dim]");
@@ -576,9 +592,11 @@ void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& 
                     const RunOptions& run_options) {
   const ArgChecker check("ragged_prefill");
   check_one_shot_q(check, q);
+  detail::check_device_usable(check, q.device);  // before any CUDA call
   check.tensor(k, "k", 3, "[total_kv, num_kv_heads, head_dim]");
   check.index_array(qo_indptr, "qo_indptr", -1, q.device);
   check.index_array(kv_indptr, "kv_indptr", -1, q.device);
+  detail::check_not_capturing(check, q.device, stream, kOneShotSyncs);
   const std::vector<int32_t> qo = detail::read_int32_array(qo_indptr, stream);
   const std::vector<int32_t> kvp = detail::read_int32_array(kv_indptr, stream);
   check_total_fits(check, qo, "qo_indptr", q.shape[0], "rows of q", /*exact=*/true);
@@ -586,7 +604,7 @@ void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& 
   const Plan plan = plan_ragged_prefill(qo, kvp, static_cast<int>(q.shape[1]),
                                         static_cast<int>(k.shape[1]),
                                         static_cast<int>(q.shape[2]), options, q.device);
-  detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
+  detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_ragged_prefill(plan, q, k, v, qo_indptr, kv_indptr, o, lse, scratch.workspace(), stream,
                      run_options);
 }
@@ -613,10 +631,12 @@ void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView
                    void* stream, const RunOptions& run_options) {
   const ArgChecker check("paged_prefill");
   check_one_shot_q(check, q);
+  detail::check_device_usable(check, q.device);  // before any CUDA call
   const int num_kv_heads = kv_heads_of(check, kv);
   check.index_array(qo_indptr, "qo_indptr", -1, q.device);
   check.index_array(kv.page_indptr, "page_indptr", qo_indptr.shape[0], q.device);
   check.index_array(kv.last_page_len, "last_page_len", qo_indptr.shape[0] - 1, q.device);
+  detail::check_not_capturing(check, q.device, stream, kOneShotSyncs);
   const std::vector<int32_t> qo = detail::read_int32_array(qo_indptr, stream);
   const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
   const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
@@ -627,7 +647,7 @@ void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView
   const Plan plan =
       plan_paged_prefill(qo, pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
                          num_kv_heads, static_cast<int>(q.shape[2]), options, q.device);
-  detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
+  detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_paged_prefill(plan, q, kv, qo_indptr, o, lse, scratch.workspace(), stream, run_options);
 }
 
@@ -636,6 +656,7 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
             const RunOptions& run_options) {
   const ArgChecker check("decode");
   check_one_shot_q(check, q);
+  detail::check_device_usable(check, q.device);  // before any CUDA call
   const int num_kv_heads = kv_heads_of(check, kv);
   check.index_array(kv.page_indptr, "page_indptr", -1, q.device);
   const int64_t batch = kv.page_indptr.shape[0] - 1;
@@ -649,6 +670,7 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
                std::to_string(q.shape[0]) + " rows for a batch of " + std::to_string(batch);
       });
   check.index_array(kv.last_page_len, "last_page_len", batch, q.device);
+  detail::check_not_capturing(check, q.device, stream, kOneShotSyncs);
   const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
   const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
   check.index_array(kv.page_indices, "page_indices", -1, q.device);
@@ -657,7 +679,7 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
   const Plan plan = plan_decode(pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
                                 num_kv_heads, static_cast<int>(q.shape[2]), options, q.device,
                                 static_cast<int>(q_per_request));
-  detail::ScratchBuffer scratch(q.device, plan.workspace_bytes);
+  detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_decode(plan, q, kv, o, lse, scratch.workspace(), stream, run_options);
 }
 

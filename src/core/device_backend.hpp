@@ -18,7 +18,13 @@ struct DeviceBackend {
   const char* name;  // "cuda"
   const char* archs;  // the architectures compiled, CMake's list ("80;90a")
   int (*device_count)();  // devices visible now (0 without a driver or device; never throws)
+  std::string (*unavailable_reason)();  // why device_count() is 0 ("" when it is not)
   uint64_t (*stream_capture_id)(void* stream);  // 0: not capturing
+  // True while `stream` is being captured into a CUDA graph (the calls that synchronise refuse
+  // it before any CUDA call, so the capture stays valid).
+  bool (*stream_is_capturing)(void* stream);
+  // After cudaDeviceReset of `device` (tessera::cuda_after_device_reset).
+  void (*after_device_reset)(int device);
   std::string (*describe)(int device);          // "cuda:0 NVIDIA H200 sm_90, 132 SMs"
 
   // Planning: the knobs of the kernels that will serve (op, heads, head_dim) on `device`

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/backends.hpp"
@@ -19,10 +21,10 @@ inline constexpr int32_t kCpuMinKvChunk = 512;
 
 namespace {
 
-const DeviceBackend& gpu_or_throw(const char* who) {
+const DeviceBackend& gpu_or_throw(std::string_view who) {
   const DeviceBackend* gpu = gpu_backend();
   if (gpu == nullptr) {
-    ArgChecker(who).unsupported("device", "this build of tessera has no CUDA backend");
+    ArgChecker(std::string(who)).unsupported("device", "this build of tessera has no CUDA backend");
   }
   return *gpu;
 }
@@ -36,11 +38,23 @@ void check_device_usable(const ArgChecker& check, Device device) {
     check.unsupported("device", "this build of tessera has no CUDA backend (built without nvcc)");
   }
   const int count = gpu->device_count();
-  if (count == 0) check.unsupported("device", "no CUDA device is visible on this host");
+  if (count == 0) {
+    check.unsupported("device",
+                      "no CUDA device is visible on this host (" + gpu->unavailable_reason() + ")");
+  }
   if (device.index < 0 || device.index >= count) {
     check.fail("device", "expected a CUDA device index in [0, " + std::to_string(count) +
                              "), got " + std::to_string(device.index));
   }
+}
+
+void check_not_capturing(const ArgChecker& check, Device device, void* stream, const char* why) {
+  if (device.type == DeviceType::kCPU) return;
+  if (!gpu_or_throw(check.op()).stream_is_capturing(stream)) return;
+  check.fail("stream", std::string("is being captured into a CUDA graph, and ") + why +
+                           ", which a capture does not allow; nothing was enqueued and the "
+                           "capture is still valid. Call it outside the capture, or capture the "
+                           "plan / upload_plan / run_* path instead");
 }
 
 PlanConfig plan_config_for(AttentionOp op, Device device, int num_qo_heads, int num_kv_heads,
@@ -90,14 +104,27 @@ void dispatch_forget_uploads(const void* workspace) {
   if (const DeviceBackend* gpu = gpu_backend()) gpu->forget_uploads(workspace);
 }
 
-ScratchBuffer::ScratchBuffer(Device device, size_t bytes) : device_(device), bytes_(bytes) {
+ScratchBuffer::ScratchBuffer(const ArgChecker& check, Device device, size_t bytes)
+    : device_(device), bytes_(bytes) {
   if (bytes == 0) return;
+  const auto out_of_memory = [&](const std::string& detail) {
+    throw Error(Error::Kind::kOutOfMemory,
+                "tessera::" + std::string(check.op()) + ": 'workspace': the call's own " +
+                    device_name(device) + " workspace of " + std::to_string(bytes) +
+                    " bytes could not be allocated (" + detail +
+                    "); nothing was written. Plan once and pass a workspace to run_* instead");
+  };
   if (device.type == DeviceType::kCPU) {
     data_ = std::malloc(bytes);
-    if (!data_) throw std::bad_alloc();  // the C ABI maps it to TESSERA_ERROR_OUT_OF_MEMORY
+    if (!data_) out_of_memory("malloc failed");
     return;
   }
-  data_ = gpu_or_throw("scratch").alloc(bytes);
+  try {
+    data_ = gpu_or_throw(check.op()).alloc(bytes);
+  } catch (const Error& error) {
+    if (error.kind() != Error::Kind::kOutOfMemory) throw;
+    out_of_memory(error.what());
+  }
 }
 
 ScratchBuffer::~ScratchBuffer() {

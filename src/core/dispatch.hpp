@@ -29,10 +29,18 @@ void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Works
 uint64_t dispatch_upload_plan(const Plan& plan, Workspace workspace, void* stream);
 void dispatch_forget_uploads(const void* workspace);  // no-op without the CUDA backend
 
-// Scratch memory on a device for the one-shot calls (host vector or cudaMalloc).
+// Throws Error(kInvalidArgument) naming 'stream' when `stream` is being captured into a CUDA
+// graph (device: a CUDA device; the CPU never captures): `why` says what the call would do that
+// a capture forbids ("synchronises the stream"). Asks before any other CUDA call, so the
+// capture stays valid and the caller can end it.
+void check_not_capturing(const ArgChecker& check, Device device, void* stream, const char* why);
+
+// Scratch memory on a device for the one-shot calls (malloc or cudaMalloc). Throws
+// Error(kOutOfMemory) naming check's op and 'workspace' with the bytes asked for when it
+// cannot be had.
 class ScratchBuffer {
  public:
-  ScratchBuffer(Device device, size_t bytes);
+  ScratchBuffer(const ArgChecker& check, Device device, size_t bytes);
   ~ScratchBuffer();
   ScratchBuffer(const ScratchBuffer&) = delete;
   ScratchBuffer& operator=(const ScratchBuffer&) = delete;

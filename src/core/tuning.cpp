@@ -225,8 +225,8 @@ std::optional<TuningTable> parse_tuning_table(std::string_view text, const std::
     table.decode.insert_or_assign(std::move(key), tuning);
   }
   if (!have_version) {
-    *error = origin + ":" + std::to_string(line_number) + ": no version line 'tessera-tune " +
-             std::to_string(kTuningFileVersion) + "'";
+    *error = origin + (line_number == 0 ? ": empty file" : ":" + std::to_string(line_number)) +
+             ": no version line 'tessera-tune " + std::to_string(kTuningFileVersion) + "'";
     return std::nullopt;
   }
   return table;
@@ -266,19 +266,35 @@ TuningFile read_tuning_file(const std::string& path) {
   TuningFile file;
   file.path = path;
   if (path.empty()) return file;  // kNoPath
+  const auto unreadable = [&](const std::string& why) {
+    file.status = TuningFileStatus::kMalformed;
+    file.error = path + ": " + why;
+    return file;
+  };
   std::error_code code;
-  if (!std::filesystem::exists(path, code)) {
+  const std::filesystem::file_status status = std::filesystem::status(path, code);
+  if (status.type() == std::filesystem::file_type::not_found) {
     file.status = TuningFileStatus::kMissing;
     return file;
   }
+  // Anything else that stops status() (a folder on the way that may not be searched) is not
+  // "missing": the file may well be there.
+  if (code) return unreadable("cannot be read (" + code.message() + ")");
+  if (std::filesystem::is_directory(status)) return unreadable("is a folder, not a tuning file");
+  errno = 0;
   std::ifstream stream(path, std::ios::binary);
-  std::ostringstream text;
-  if (!stream || !(text << stream.rdbuf())) {
-    file.status = TuningFileStatus::kMalformed;
-    file.error = path + ": cannot be read (" + std::strerror(errno) + ")";
-    return file;
+  if (!stream.is_open()) {
+    return unreadable(std::string("cannot be opened (") +
+                      (errno != 0 ? std::strerror(errno) : "unknown error") + ")");
   }
-  std::optional<TuningTable> table = parse_tuning_table(text.str(), path, &file.error);
+  // (Not `text << stream.rdbuf()`: that sets failbit when it copies no character, so an
+  // empty file read as "cannot be read".)
+  const std::string text{std::istreambuf_iterator<char>(stream), std::istreambuf_iterator<char>()};
+  if (stream.bad()) {
+    return unreadable(std::string("cannot be read (") +
+                      (errno != 0 ? std::strerror(errno) : "I/O error") + ")");
+  }
+  std::optional<TuningTable> table = parse_tuning_table(text, path, &file.error);
   if (!table) {
     file.status = TuningFileStatus::kMalformed;
     return file;
@@ -314,14 +330,27 @@ void write_tuning_file(const std::string& path, const TuningTable& table,
   }
 }
 
+std::string tuning_file_warning(const TuningFile& file, bool named) {
+  constexpr std::string_view kFallback = " (the built-in decode defaults are used)\n";
+  if (file.status == TuningFileStatus::kMalformed) {
+    return "tessera: ignoring the tuning file: " + file.error + std::string(kFallback);
+  }
+  // The default location's absence is the normal state before `tessera tune`; a file named by
+  // TESSERA_TUNE_FILE that is not there is probably a mistake, so it is said.
+  if (file.status == TuningFileStatus::kMissing && named) {
+    return "tessera: ignoring the tuning file: " + file.path +
+           " (TESSERA_TUNE_FILE) does not exist" + std::string(kFallback);
+  }
+  return {};
+}
+
 const TuningFile& process_tuning_file() {
   // A function-local static: initialised once, by the first caller, even under concurrent
   // calls; immutable afterwards, so lookups take no lock.
   static const TuningFile file = [] {
     TuningFile loaded = read_tuning_file(default_tuning_file_path());
-    if (loaded.status == TuningFileStatus::kMalformed) {
-      std::cerr << "tessera: ignoring the tuning file: " << loaded.error << "\n";
-    }
+    const std::string warning = tuning_file_warning(loaded, !settings().tune_file.empty());
+    if (!warning.empty()) std::cerr << warning;
     return loaded;
   }();
   return file;

@@ -25,8 +25,15 @@
 //              x 3 stages; 5: 2 warps x 4 stages)
 //   min_chunk  smallest split-KV piece in keys, a multiple of 64 in [64, 4096], as
 //              TESSERA_DECODE_MIN_CHUNK
-// A later entry for the same (device, head_dim, group, kv) replaces an earlier one. A file with
-// any malformed line is ignored as a whole and reported once to stderr as file:line: problem.
+// A later entry for the same (device, head_dim, group, kv) replaces an earlier one.
+//
+// Faults (tests/test_faults.cpp): a file that cannot be used is never an error of a call; it is
+// ignored as a whole, the built-in defaults serve every shape, and the process says so once on
+// stderr ("tessera: ignoring the tuning file: <why> (the built-in decode defaults are used)"):
+// any malformed line (file:line: problem; a wrong version, an unknown or missing field, garbage,
+// a line cut short), an empty file, one that cannot be opened or read (permissions, a folder).
+// No file at the default location is the normal state and is silent; a TESSERA_TUNE_FILE that
+// does not exist is reported. A file cut short at the end of a line is a valid, shorter file.
 #pragma once
 
 #include <compare>
@@ -112,6 +119,7 @@ std::string format_tuning_table(const TuningTable& table, std::string_view comme
 
 // ---- files ----
 
+// kMalformed: a line does not parse, the file is empty, or it cannot be opened or read.
 enum class TuningFileStatus { kNoPath, kMissing, kLoaded, kMalformed };
 
 struct TuningFile {
@@ -135,6 +143,9 @@ void write_tuning_file(const std::string& path, const TuningTable& table,
 // safe), never again. A malformed or unreadable file is reported once to stderr and serves no
 // entries.
 const TuningFile& process_tuning_file();
+// The line process_tuning_file() writes to stderr for `file` ("" for none: a file loaded, no
+// location, no file at the default location); `named` is whether TESSERA_TUNE_FILE named it.
+std::string tuning_file_warning(const TuningFile& file, bool named);
 
 // ---- precedence ----
 

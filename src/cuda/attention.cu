@@ -76,6 +76,7 @@ struct StagingBlock {
   size_t bytes = 0;
   cudaEvent_t done = nullptr;
   bool recorded = false;
+  bool dead = false;  // its event failed (context reset): never reused
 };
 
 class StagingPool {
@@ -119,6 +120,19 @@ class StagingPool {
     return overflow_uploads_;
   }
 
+  // After a reset of `device`: its blocks' events and pinned memory belonged to the destroyed
+  // context. Released (errors ignored and cleared: the context may have taken them already).
+  void drop_device(int device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::erase_if(blocks_, [&](const std::unique_ptr<StagingBlock>& block) {
+      if (block->device != device) return false;
+      if (block->done != nullptr) (void)cudaEventDestroy(block->done);
+      if (block->host != nullptr) (void)cudaFreeHost(block->host);
+      (void)cudaGetLastError();
+      return true;
+    });
+  }
+
  private:
   static constexpr size_t kMinBlockBytes = size_t{64} << 10;
   static constexpr size_t kMaxBlocksPerDevice = 64;
@@ -130,11 +144,13 @@ class StagingPool {
       block.recorded = false;
       return true;
     }
-    if (status == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // not an error: keep it out of later launch checks
-      return false;
-    }
-    check_cuda(status, "cudaEventQuery (upload_plan staging)");
+    (void)cudaGetLastError();  // not-ready is no error; any other is handled here: keep it out
+                               // of later launch checks
+    if (status == cudaErrorNotReady) return false;
+    // The event is gone (its context was destroyed: cudaDeviceReset) or its copy failed: the
+    // block is never reused (its memory may have gone with the context), so one failure does
+    // not fail every later upload. Its memory is released by drop_device, or leaked.
+    block.dead = true;
     return false;
   }
 
@@ -144,9 +160,9 @@ class StagingPool {
   StagingBlock* acquire(int device, size_t bytes) {
     size_t in_flight = 0;
     for (auto& block : blocks_) {
-      if (block->device != device) continue;
+      if (block->device != device || block->dead) continue;
       if (!is_free(*block)) {
-        ++in_flight;
+        if (!block->dead) ++in_flight;
       } else if (block->bytes >= bytes) {
         return block.get();
       }
@@ -155,10 +171,18 @@ class StagingPool {
     auto block = std::make_unique<StagingBlock>();
     block->device = device;
     block->bytes = std::max(kMinBlockBytes, std::bit_ceil(bytes));
-    check_cuda(cudaHostAlloc(&block->host, block->bytes, cudaHostAllocPortable),
-               "cudaHostAlloc (upload_plan staging)");
-    check_cuda(cudaEventCreateWithFlags(&block->done, cudaEventDisableTiming),
-               "cudaEventCreate (upload_plan staging)");
+    // No pinned memory or event to be had (pinned host memory exhausted, a broken context):
+    // this upload goes through pageable memory, as with the pool full, rather than failing.
+    if (cudaHostAlloc(&block->host, block->bytes, cudaHostAllocPortable) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    if (cudaEventCreateWithFlags(&block->done, cudaEventDisableTiming) != cudaSuccess) {
+      (void)cudaGetLastError();
+      (void)cudaFreeHost(block->host);
+      (void)cudaGetLastError();
+      return nullptr;
+    }
     blocks_.push_back(std::move(block));
     return blocks_.back().get();
   }
@@ -187,6 +211,10 @@ class UploadRegistry {
     } else {
       latest_[workspace] = generation;
     }
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    latest_.clear();
   }
   bool holds(const void* workspace, uint64_t generation) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -387,6 +415,20 @@ uint64_t cuda_upload_plan(const Plan& plan, Workspace workspace, void* stream) {
 
 void cuda_forget_uploads(const void* workspace) {
   UploadRegistry::instance().set(workspace, 0);
+}
+
+void cuda_after_device_reset(int device) {
+  // Every workspace of every device is forgotten (the registry is keyed by address alone, and
+  // a reset frees every allocation of the device, whose addresses the next allocations reuse):
+  // each plan's next run_*() uploads again, a cost of one copy on other devices' plans.
+  UploadRegistry::instance().clear();
+  StagingPool::instance().drop_device(device);
+  cuda_context_epoch().fetch_add(1, std::memory_order_acq_rel);
+  (void)cudaGetLastError();
+}
+
+bool cuda_stream_is_capturing(void* stream) {
+  return stream_is_capturing(static_cast<cudaStream_t>(stream));
 }
 
 void cuda_run_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace,

@@ -24,8 +24,17 @@ struct CudaDeviceInfo {
 // Cached per device. Throws tessera::Error when no device / driver.
 const CudaDeviceInfo& cuda_device_info(int device);
 int cuda_device_count_or_zero();
+// Why no device is usable ("" when one is): the error of cudaGetDeviceCount, with a hint for
+// a missing driver (libcuda.so.1) or an empty CUDA_VISIBLE_DEVICES.
+std::string cuda_unavailable_reason();
 int cuda_current_device();
 uint64_t cuda_stream_capture_id(void* stream);  // 0: not capturing
+// True while `stream` is being captured (active or invalidated capture); throws for the legacy
+// stream while another stream of its device captures in global mode.
+bool cuda_stream_is_capturing(void* stream);
+// tessera::cuda_after_device_reset: forgets every upload, drops `device`'s pinned staging
+// blocks and makes every kernel's shared-memory opt-in again (src/cuda/attention.cu).
+void cuda_after_device_reset(int device);
 
 // Fills the planner knobs for this device and problem (tile rows of the kernel that will serve
 // it, persistent worker count, split-KV policy).

@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -21,6 +22,31 @@ int cuda_device_count_or_zero() {
     return 0;
   }
   return count;
+}
+
+std::string cuda_unavailable_reason() {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status == cudaSuccess) {
+    return count > 0 ? std::string() : "cudaGetDeviceCount found no CUDA device";
+  }
+  (void)cudaGetLastError();
+  std::string reason = "cudaGetDeviceCount failed: " + cuda_error_text(status);
+  if (status == cudaErrorInsufficientDriver) {
+    // The static CUDA runtime loads libcuda.so.1 on its first call: this is what it answers when
+    // that library is missing (a host without the NVIDIA driver) or older than the runtime.
+    reason += "; the NVIDIA driver (libcuda.so.1) is missing or older than the CUDA runtime " +
+              std::to_string(CUDART_VERSION / 1000) + "." +
+              std::to_string(CUDART_VERSION % 1000 / 10) + " this library was built with";
+  } else if (status == cudaErrorNoDevice) {
+    reason += "; check CUDA_VISIBLE_DEVICES";
+  }
+  return reason;
+}
+
+std::atomic<uint64_t>& cuda_context_epoch() {
+  static std::atomic<uint64_t> epoch{0};
+  return epoch;
 }
 
 int cuda_current_device() {
@@ -54,7 +80,8 @@ const CudaDeviceInfo& cuda_device_info(int device) {
   static const int count = cuda_device_count_or_zero();  // fixed for the process lifetime
   std::lock_guard<std::mutex> lock(mutex);
   if (count == 0) {
-    throw Error(Error::Kind::kRuntime, "no CUDA device (or no CUDA driver) is available");
+    throw Error(Error::Kind::kUnsupported,
+                "no CUDA device is available (" + cuda_unavailable_reason() + ")");
   }
   if (device < 0 || device >= count) {
     throw Error(Error::Kind::kInvalidArgument, "CUDA device " + std::to_string(device) +

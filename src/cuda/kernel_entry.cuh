@@ -22,7 +22,9 @@ struct KernelEntry {
   // Opts the kernel into its dynamic shared memory (> 48 KiB) on the current device, once.
   static void enable_smem() {
     static std::atomic<uint64_t> configured_devices{0};
-    enable_dynamic_smem_once(Kernel, Traits::kSmemBytes, Name(), configured_devices);
+    static std::atomic<uint64_t> configured_epoch{0};
+    enable_dynamic_smem_once(Kernel, Traits::kSmemBytes, Name(), configured_devices,
+                             configured_epoch);
   }
 
   // `workers` CTAs on `stream` (nothing for none); throws naming the kernel and launch shape.

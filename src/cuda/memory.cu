@@ -5,18 +5,9 @@
 #include <string>
 
 #include "cuda/cuda_backend.hpp"
+#include "cuda/cuda_utils.hpp"
 
 namespace tessera::detail {
-namespace {
-
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw Error(Error::Kind::kRuntime,
-                std::string("tessera: CUDA error in ") + what + ": " + cudaGetErrorString(status));
-  }
-}
-
-}  // namespace
 
 void cuda_copy_to_host(void* dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return;
@@ -35,12 +26,29 @@ void cuda_copy_to_device(void* dst, const void* src, size_t bytes, void* stream)
 void* cuda_alloc(size_t bytes) {
   void* ptr = nullptr;
   if (bytes == 0) return nullptr;
-  check_cuda(cudaMalloc(&ptr, bytes), ("allocation of " + std::to_string(bytes) + " bytes").c_str());
-  return ptr;
+  const cudaError_t status = cudaMalloc(&ptr, bytes);
+  if (status == cudaSuccess) return ptr;
+  (void)cudaGetLastError();  // not left for the next launch check to report as its own
+  int device = -1;
+  size_t free_bytes = 0, total_bytes = 0;
+  std::string where;
+  if (cudaGetDevice(&device) == cudaSuccess) where = " on cuda:" + std::to_string(device);
+  if (status == cudaErrorMemoryAllocation &&
+      cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+    where +=
+        " (" + std::to_string(free_bytes) + " of " + std::to_string(total_bytes) + " bytes free)";
+  }
+  (void)cudaGetLastError();
+  throw Error(
+      status == cudaErrorMemoryAllocation ? Error::Kind::kOutOfMemory : Error::Kind::kRuntime,
+      "cudaMalloc of " + std::to_string(bytes) + " bytes" + where +
+          " failed: " + cuda_error_text(status));
 }
 
 void cuda_free(void* ptr) {
-  if (ptr) cudaFree(ptr);
+  // Called from destructors (ScratchBuffer, ScanBuffer): never throws. A failure (the context
+  // was reset under the buffer) is not left pending for the next launch check.
+  if (ptr && cudaFree(ptr) != cudaSuccess) (void)cudaGetLastError();
 }
 
 void cuda_memset(void* ptr, int byte, size_t bytes, void* stream) {

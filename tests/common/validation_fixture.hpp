@@ -30,6 +30,7 @@ inline const char* kind_name(Error::Kind kind) {
     case Error::Kind::kInvalidArgument: return "kInvalidArgument";
     case Error::Kind::kUnsupported: return "kUnsupported";
     case Error::Kind::kRuntime: return "kRuntime";
+    case Error::Kind::kOutOfMemory: return "kOutOfMemory";
   }
   return "unknown";
 }
