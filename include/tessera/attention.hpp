@@ -3,7 +3,11 @@
 //
 // Semantics (FlashInfer / FlashAttention conventions):
 //  * q [total_q, num_qo_heads, head_dim], ragged by qo_indptr[B+1] (int32, = cu_seqlens_q).
-//  * Ragged K/V: k, v [total_kv, num_kv_heads, head_dim], ragged by kv_indptr[B+1].
+//  * Ragged K/V: k [total_kv, num_kv_heads, head_dim], v [total_kv, num_kv_heads, head_dim_vo],
+//    ragged by kv_indptr[B+1].
+//  * head_dim is the query/key width (head_dim_qk); head_dim_vo (AttentionOptions, 0 = head_dim)
+//    the value/output width: v, v_cache and o have head_dim_vo as their last dimension (DeepSeek
+//    prefill 192/128, MLA-style 64/512). sm_scale defaults to 1/sqrt(head_dim) (the qk width).
 //  * Paged K/V: see PagedKVCache. Strides of every tensor are honoured except the last dim,
 //    which must be contiguous.
 //  * GQA/MQA: num_qo_heads (at most 65536) must be an integer multiple of num_kv_heads; query
@@ -79,11 +83,16 @@ struct AttentionOptions {
   // Dequantisation scales for an fp8 KV cache (per tensor). Ignored for fp16/bf16 K/V.
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+  // Width of v and o rows when it differs from head_dim (the q/k width); 0: head_dim. A multiple
+  // of 8 in [8, 512]. The CPU backend serves every pair; the CUDA backend only the equal case
+  // (another pair is Error(kUnsupported) naming head_dim_vo at plan time).
+  int32_t head_dim_vo = 0;
 };
 
 // A paged KV cache with a CSR page table.
 //  k_cache, v_cache: [num_pages, page_size, num_kv_heads, head_dim] (NHD)
-//                 or [num_pages, num_kv_heads, page_size, head_dim] (HND).
+//                 or [num_pages, num_kv_heads, page_size, head_dim] (HND);
+//                 v_cache's last dimension is head_dim_vo.
 //  page_indptr [B+1] int32, page_indices [page_indptr[B]] int32,
 //  last_page_len [B] int32 in [1, page_size] for a request with pages (ignored otherwise).
 //  kv_len of request b = (pages_b - 1) * page_size + last_page_len[b], 0 if it has no page.
@@ -190,9 +199,9 @@ struct Plan {
   int32_t batch_size = 0;
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
+  int32_t head_dim = 0;    // q / k width
   int32_t page_size = 0;  // paged ops only
-  AttentionOptions options{};
+  AttentionOptions options{};  // options.head_dim_vo: resolved (never 0)
   PlanConfig config{};
   int64_t total_q = 0;
   std::vector<int32_t> q_lens;   // per request
@@ -219,6 +228,8 @@ struct Plan {
   uint64_t upload_generation = 0;
 
   int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+  // Width of v and o rows (options.head_dim_vo, or head_dim for a plan built by hand without it).
+  int32_t head_dim_v() const { return options.head_dim_vo > 0 ? options.head_dim_vo : head_dim; }
   // Human-readable description of the partition (`tessera plan --explain`).
   std::string explain() const;
 };

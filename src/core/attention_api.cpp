@@ -45,6 +45,25 @@ void check_options(const ArgChecker& check, const AttentionOptions& options) {
   });
 }
 
+// options.head_dim_vo: 0 (= head_dim) or a multiple of 8 in [8, 512]; a pair other than the
+// equal one runs on the CPU backend only. Returns the resolved width.
+int32_t check_head_dim_vo(const ArgChecker& check, const AttentionOptions& options, int head_dim,
+                          Device device) {
+  const int32_t vo = options.head_dim_vo;
+  check.require(vo == 0 || (vo >= 8 && vo <= 512 && vo % 8 == 0), "options.head_dim_vo", [&] {
+    return "expected 0 (= head_dim) or a multiple of 8 in [8, 512], got " + std::to_string(vo);
+  });
+  const int32_t resolved = vo == 0 ? head_dim : vo;
+  if (resolved != head_dim && device.type != DeviceType::kCPU) {
+    check.unsupported("options.head_dim_vo",
+                      "head_dim_vo " + std::to_string(resolved) + " != head_dim " +
+                          std::to_string(head_dim) +
+                          " runs on the CPU backend only; the CUDA kernels support head_dim_vo = "
+                          "head_dim");
+  }
+  return resolved;
+}
+
 std::vector<int32_t> diffs(std::span<const int32_t> indptr) {
   std::vector<int32_t> lengths(indptr.size() - 1);
   for (size_t i = 0; i + 1 < indptr.size(); ++i) lengths[i] = indptr[i + 1] - indptr[i];
@@ -99,6 +118,7 @@ Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_
   detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim);
   check_options(check, options);
   detail::check_device_usable(check, device);
+  const int32_t head_dim_vo = check_head_dim_vo(check, options, head_dim, device);
   detail::PlanShape shape;
   shape.op = op;
   shape.device = device;
@@ -109,6 +129,7 @@ Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_
   shape.head_dim = head_dim;
   shape.page_size = page_size;
   shape.options = options;
+  shape.options.head_dim_vo = head_dim_vo;
   shape.capacity = capacity;
   // Knobs that follow the batch (CUDA decode's batch rule) only where every plan may differ:
   // plans of one fixed capacity must agree on their worker count, deterministic ones on their
@@ -155,11 +176,12 @@ void check_q_o_lse(const ArgChecker& check, const Plan& plan, const TensorView& 
   check.dim_is(q, "q", 0, plan.total_q, "total query tokens of the plan");
   check.dim_is(q, "q", 1, plan.num_qo_heads, "num_qo_heads of the plan");
   check.dim_is(q, "q", 2, plan.head_dim, "head_dim of the plan");
-  check.tensor(o, "o", 3, q_layout);
+  check.tensor(o, "o", 3, "[total_q, num_qo_heads, head_dim_vo]");
   check.output(o, "o");
   check.dtype_is(o, "o", q.dtype);
   check.device_is(o, "o", plan.device);
-  for (int d = 0; d < 3; ++d) check.dim_is(o, "o", d, q.shape[d], "same shape as q");
+  for (int d = 0; d < 2; ++d) check.dim_is(o, "o", d, q.shape[d], "same as q");
+  check.dim_is(o, "o", 2, plan.head_dim_v(), "head_dim_vo of the plan");
   if (has_value(lse)) {
     check.tensor(lse, "lse", 2, "[total_q, num_qo_heads] of float32");
     check.output(lse, "lse");
@@ -222,6 +244,7 @@ AttentionProblem base_problem(const Plan& plan, const TensorView& q, const Tenso
   problem.num_qo_heads = plan.num_qo_heads;
   problem.num_kv_heads = plan.num_kv_heads;
   problem.head_dim = plan.head_dim;
+  problem.head_dim_vo = plan.head_dim_v();
   problem.q = q.data;
   problem.q_stride_token = q.stride[0];
   problem.q_stride_head = q.stride[1];
@@ -302,8 +325,9 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
     check.device_is(view, name, plan.device);
     check.dim_is(view, name, token_dim, plan.page_size, "page_size of the plan");
     check.dim_is(view, name, head_dim_index, plan.num_kv_heads, "num_kv_heads of the plan");
-    check.dim_is(view, name, 3, plan.head_dim, "head_dim of the plan");
   }
+  check.dim_is(kv.k_cache, "k_cache", 3, plan.head_dim, "head_dim of the plan");
+  check.dim_is(kv.v_cache, "v_cache", 3, plan.head_dim_v(), "head_dim_vo of the plan");
   check.dim_is(kv.v_cache, "v_cache", 0, kv.k_cache.shape[0], "num_pages of k_cache");
   check_kv_dtype(check, kv.k_cache, kv.v_cache, q, "k_cache", "v_cache");
   const int64_t num_pages = kv.k_cache.shape[0];
@@ -463,13 +487,16 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
   check_plan_op(check, plan, AttentionOp::kRaggedPrefill);
   check_checked_mode_stream(check, plan, stream);
   check_q_o_lse(check, plan, q, o, lse);
-  constexpr std::string_view kv_layout = "[total_kv, num_kv_heads, head_dim]";
   const int64_t total_kv = total_of(plan.kv_lens);
   for (const auto& [view, name] : {std::pair{k, "k"}, {v, "v"}}) {
-    check.tensor(view, name, 3, kv_layout);
+    const bool is_k = name[0] == 'k';
+    check.tensor(view, name, 3,
+                 is_k ? "[total_kv, num_kv_heads, head_dim]"
+                      : "[total_kv, num_kv_heads, head_dim_vo]");
     check.device_is(view, name, plan.device);
     check.dim_is(view, name, 1, plan.num_kv_heads, "num_kv_heads of the plan");
-    check.dim_is(view, name, 2, plan.head_dim, "head_dim of the plan");
+    check.dim_is(view, name, 2, is_k ? plan.head_dim : plan.head_dim_v(),
+                 is_k ? "head_dim of the plan" : "head_dim_vo of the plan");
     const int64_t rows = view.shape[0];  // (clang < 16 cannot capture a structured binding)
     check.require(rows >= total_kv, name, [&] {
       return "expected at least " + std::to_string(total_kv) +
@@ -570,6 +597,18 @@ void check_one_shot_q(const ArgChecker& check, const TensorView& q) {
   check.tensor(q, "q", 3, "[total_q, num_qo_heads, head_dim]");
 }
 
+// A one-shot call without options.head_dim_vo takes it from v's (or v_cache's) last dimension,
+// as FlashAttention does; a malformed v is left to the run's checks.
+AttentionOptions one_shot_options(const AttentionOptions& options, const TensorView& v,
+                                  int64_t head_dim) {
+  AttentionOptions resolved = options;
+  if (resolved.head_dim_vo == 0 && v.ndim >= 1 && v.shape[v.ndim - 1] != head_dim &&
+      v.shape[v.ndim - 1] > 0 && v.shape[v.ndim - 1] <= INT32_MAX) {
+    resolved.head_dim_vo = static_cast<int32_t>(v.shape[v.ndim - 1]);
+  }
+  return resolved;
+}
+
 // One-shot calls read the index arrays before planning: their totals must fit the tensors
 // first, or a corrupt array (qo_indptr[B] = 2^31 - 1 for a 10-row q) would make the planner
 // build a work list of millions of tiles before the run-time checks reject the call.
@@ -603,7 +642,8 @@ void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& 
   check_total_fits(check, kvp, "kv_indptr", k.shape[0], "rows of k", /*exact=*/false);
   const Plan plan = plan_ragged_prefill(qo, kvp, static_cast<int>(q.shape[1]),
                                         static_cast<int>(k.shape[1]),
-                                        static_cast<int>(q.shape[2]), options, q.device);
+                                        static_cast<int>(q.shape[2]),
+                                        one_shot_options(options, v, q.shape[2]), q.device);
   detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_ragged_prefill(plan, q, k, v, qo_indptr, kv_indptr, o, lse, scratch.workspace(), stream,
                      run_options);
@@ -646,7 +686,8 @@ void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView
                    "entries of page_indices", /*exact=*/false);
   const Plan plan =
       plan_paged_prefill(qo, pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
-                         num_kv_heads, static_cast<int>(q.shape[2]), options, q.device);
+                         num_kv_heads, static_cast<int>(q.shape[2]),
+                         one_shot_options(options, kv.v_cache, q.shape[2]), q.device);
   detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_paged_prefill(plan, q, kv, qo_indptr, o, lse, scratch.workspace(), stream, run_options);
 }
@@ -677,7 +718,8 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
   check_total_fits(check, pages, "page_indptr", kv.page_indices.shape[0],
                    "entries of page_indices", /*exact=*/false);
   const Plan plan = plan_decode(pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
-                                num_kv_heads, static_cast<int>(q.shape[2]), options, q.device,
+                                num_kv_heads, static_cast<int>(q.shape[2]),
+                                one_shot_options(options, kv.v_cache, q.shape[2]), q.device,
                                 static_cast<int>(q_per_request));
   detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_decode(plan, q, kv, o, lse, scratch.workspace(), stream, run_options);

@@ -48,7 +48,8 @@ struct StateViews {
 
 StateViews state_views(const CascadePlan& plan, Workspace workspace, size_t offset, DType dtype) {
   char* base = static_cast<char*>(workspace.data) + offset;
-  const int64_t rows = plan.total_q, heads = plan.num_qo_heads, dim = plan.head_dim;
+  // o rows are v-width (the levels' head_dim_vo).
+  const int64_t rows = plan.total_q, heads = plan.num_qo_heads, dim = plan.levels[0].head_dim_v();
   const size_t o_bytes =
       align_up(static_cast<size_t>(rows) * static_cast<size_t>(heads) * static_cast<size_t>(dim) * 4);
   StateViews views;
@@ -126,7 +127,7 @@ CascadePlan plan_cascade(std::span<const CascadeLevelLengths> levels, int page_s
     offset += align_up(level.workspace_bytes);
   }
   if (num_levels > 1) {
-    const size_t state = state_bytes(plan.total_q, num_qo_heads, head_dim);
+    const size_t state = state_bytes(plan.total_q, num_qo_heads, plan.levels[0].head_dim_v());
     for (int l = 0; l < num_levels; ++l) {
       plan.state_offsets.push_back(offset);
       offset += state;
@@ -211,7 +212,7 @@ void run_cascade(const CascadePlan& plan, const TensorView& q, const TensorView&
     merge_state(states[0].o, states[0].lse, states[1].o, states[1].lse, o, lse, stream);
     return;
   }
-  const size_t half = state_bytes(plan.total_q, plan.num_qo_heads, plan.head_dim);
+  const size_t half = state_bytes(plan.total_q, plan.num_qo_heads, plan.levels[0].head_dim_v());
   const StateViews acc[2] = {
       state_views(plan, workspace, plan.accumulator_offset, DType::kFloat32),
       state_views(plan, workspace, plan.accumulator_offset + half, DType::kFloat32)};

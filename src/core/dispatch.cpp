@@ -92,6 +92,10 @@ void dispatch_attention(const Plan& plan, const AttentionProblem& problem, Works
     }
     return;
   }
+  if (problem.head_dim_v() != problem.head_dim) {  // a plan built by hand: plan_* refuses it
+    throw Error(Error::Kind::kUnsupported,
+                "tessera::run: 'plan': head_dim_vo != head_dim runs on the CPU backend only");
+  }
   gpu_or_throw("run").run_attention(plan, problem, workspace, stream);
 }
 

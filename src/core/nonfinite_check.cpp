@@ -104,6 +104,7 @@ struct ScannedTensor {
   DType dtype;
   int32_t heads;
   int64_t head_stride;
+  int32_t head_dim;  // elements of a row of one head (v: head_dim_vo)
 };
 
 CheckedRows key_rows(const CallIndex& call, bool values) {
@@ -156,7 +157,7 @@ void check_tensor(const ArgChecker& check, const CallIndex& call, const ScannedT
                   const CheckedRows& rows, bool query) {
   if (rows.offsets.empty() || nonfinite_bits(tensor.dtype) == 0) return;
   const Plan& plan = call.plan;
-  const int32_t head_dim = plan.head_dim;
+  const int32_t head_dim = tensor.head_dim;
   const bool on_host = plan.device.type == DeviceType::kCPU;
   const DeviceBackend* gpu = on_host ? nullptr : gpu_backend();
   const int64_t found =
@@ -242,13 +243,16 @@ void check_finite_inputs(const ArgChecker& check, const Plan& plan, const Attent
     }
   }
   check_tensor(check, call,
-               {"q", problem.q, problem.q_dtype, problem.num_qo_heads, problem.q_stride_head},
+               {"q", problem.q, problem.q_dtype, problem.num_qo_heads, problem.q_stride_head,
+                problem.head_dim},
                query_rows(plan, problem), /*query=*/true);
   check_tensor(check, call,
-               {kv.paged ? "k_cache" : "k", kv.k, kv.dtype, problem.num_kv_heads, kv.k_stride_head},
+               {kv.paged ? "k_cache" : "k", kv.k, kv.dtype, problem.num_kv_heads, kv.k_stride_head,
+                problem.head_dim},
                key_rows(call, false), /*query=*/false);
   check_tensor(check, call,
-               {kv.paged ? "v_cache" : "v", kv.v, kv.dtype, problem.num_kv_heads, kv.v_stride_head},
+               {kv.paged ? "v_cache" : "v", kv.v, kv.dtype, problem.num_kv_heads, kv.v_stride_head,
+                problem.head_dim_v()},
                key_rows(call, true), /*query=*/false);
   check_sinks(check, plan, problem, stream);
 }

@@ -17,6 +17,7 @@ std::string Plan::explain() const {
       << "  batch " << batch_size << ", query tokens " << total_q << ", kv tokens " << total_kv
       << ", heads " << num_qo_heads << " qo / " << num_kv_heads << " kv (group " << group
       << "), head_dim " << head_dim;
+  if (head_dim_v() != head_dim) out << ", head_dim_vo " << head_dim_v();
   if (page_size > 0) out << ", page_size " << page_size;
   out << "\n  mask: " << (options.causal ? "causal" : "full") << ", window ("
       << options.window_left << ", " << options.window_right << "), soft-cap "

@@ -310,7 +310,8 @@ bool make_sections(const PlanShape& shape, const std::vector<QueryTile>& tiles,
                    const std::vector<Piece>& sorted_pieces, int32_t heads, int64_t budget,
                    Sections& sec) {
   if (budget <= 0) return false;
-  const int64_t per_key = 2 * kSectionElementBytes * shape.head_dim;  // K and V of one key
+  const int32_t head_dim_v = shape.options.head_dim_vo > 0 ? shape.options.head_dim_vo : shape.head_dim;
+  const int64_t per_key = kSectionElementBytes * (shape.head_dim + head_dim_v);  // K and V
   int64_t largest = 0, total = 0;
   for (int32_t kv_len : shape.kv_lens) {
     largest = std::max<int64_t>(largest, kv_len);

@@ -111,7 +111,8 @@ struct AttentionProblem {
   int32_t batch_size = 0;
   int32_t num_qo_heads = 0;
   int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;
+  int32_t head_dim = 0;     // q / k width
+  int32_t head_dim_vo = 0;  // v / o width (0: head_dim)
 
   const void* q = nullptr;
   int64_t q_stride_token = 0, q_stride_head = 0;
@@ -145,6 +146,7 @@ struct AttentionProblem {
   MaskSpec mask;
 
   TESSERA_HD int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+  TESSERA_HD int32_t head_dim_v() const { return head_dim_vo > 0 ? head_dim_vo : head_dim; }
   TESSERA_HD int32_t q_begin(int b) const { return qo_indptr ? qo_indptr[b] : b * q_per_request; }
   TESSERA_HD int32_t q_len(int b) const {
     return qo_indptr ? qo_indptr[b + 1] - qo_indptr[b] : q_per_request;

@@ -1,7 +1,7 @@
 // Where things live inside a caller's Workspace for one Plan. Shared by the planner (which sizes
 // it), the CPU backend and the CUDA backend.
 //
-//   [partial o: partial_rows x head_dim float32]
+//   [partial o: partial_rows x head_dim_vo float32]
 //   [partial lse: partial_rows float32]               (natural log)
 //   --- GPU plans only: the plan's lists, uploaded by upload_plan() or run() ---
 //   [header: PlanHeader]
@@ -62,7 +62,7 @@ struct WorkspaceLayout {
     const size_t rows = static_cast<size_t>(layout.partial_rows);
     size_t offset = 0;
     layout.partial_o = offset;
-    offset = align_up(offset + rows * static_cast<size_t>(plan.head_dim) * sizeof(float));
+    offset = align_up(offset + rows * static_cast<size_t>(plan.head_dim_v()) * sizeof(float));
     layout.partial_lse = offset;
     offset = align_up(offset + rows * sizeof(float));
     if (plan.device.type == DeviceType::kCUDA) {

@@ -254,6 +254,12 @@ ContextParallelPlan plan_context_parallel_prefill(int64_t seq_len, int world_siz
     check.unsupported("options.window_left",
                       "a sliding window is not supported by context-parallel prefill");
   }
+  if (options.head_dim_vo != 0 && options.head_dim_vo != head_dim) {
+    check.unsupported("options.head_dim_vo",
+                      "context-parallel prefill needs head_dim_vo = head_dim (0), got " +
+                          std::to_string(options.head_dim_vo) + " for head_dim " +
+                          std::to_string(head_dim));
+  }
   check.require(exchange == KVExchange::kAuto || exchange == KVExchange::kRing ||
                     exchange == KVExchange::kAllGather,
                 "exchange", "expected kAuto, kRing or kAllGather");

@@ -179,7 +179,8 @@ void check_plan(const Plan& plan, const AttentionProblem& problem, const Workspa
             std::to_string(problem.num_kv_heads) + ")");
   }
   if (problem.head_dim <= 0) invalid("head_dim must be positive");
-  if (plan.head_dim != problem.head_dim || plan.num_qo_heads != problem.num_qo_heads ||
+  if (plan.head_dim != problem.head_dim || plan.head_dim_v() != problem.head_dim_v() ||
+      plan.num_qo_heads != problem.num_qo_heads ||
       plan.num_kv_heads != problem.num_kv_heads || plan.batch_size != problem.batch_size) {
     invalid("plan was made for another shape (plan: batch " + std::to_string(plan.batch_size) +
             ", heads " + std::to_string(plan.num_qo_heads) + "/" +
@@ -253,7 +254,7 @@ FastKernelEntry kernel_for(CpuIsa isa) {
 void merge_partials(const AttentionProblem& problem, const MergeItem& merge, const float* partial_o,
                     const float* partial_lse, std::vector<float>* row) {
   const int32_t group_size = problem.group_size();
-  const int32_t head_dim = problem.head_dim;
+  const int32_t head_dim = problem.head_dim_v();  // partials and o hold v-width rows
   const int64_t rows = static_cast<int64_t>(merge.q_len) * group_size;
   const int64_t first_token = static_cast<int64_t>(problem.q_begin(merge.request)) + merge.q_start;
   row->resize(head_dim);
@@ -341,7 +342,8 @@ void cpu_fast_attention_with_isa(const Plan& plan, const AttentionProblem& probl
   for (const WorkItem& item : plan.work) {
     max_rows = std::max(max_rows, item.q_len * context.group_size);
   }
-  const size_t scratch_bytes = kernel.scratch_bytes(max_rows, problem.head_dim);
+  const size_t scratch_bytes =
+      kernel.scratch_bytes(max_rows, problem.head_dim, problem.head_dim_v());
 
   ThreadPool& pool = ThreadPool::instance();
   const int64_t num_items = static_cast<int64_t>(plan.work.size());

@@ -51,7 +51,7 @@ struct FastAttentionContext {
 // Entry points of one ISA's kernel.
 struct FastKernelEntry {
   // Scratch one thread needs to run any work item of at most `max_rows` packed query rows.
-  size_t (*scratch_bytes)(int32_t max_rows, int32_t head_dim);
+  size_t (*scratch_bytes)(int32_t max_rows, int32_t head_dim, int32_t head_dim_vo);
   void (*run_work_item)(const FastAttentionContext& context, const WorkItem& item, void* scratch);
 };
 FastKernelEntry fast_kernel_generic();
@@ -69,8 +69,8 @@ inline constexpr int32_t kFastKeyTile = 64;
 template <class Simd>
 class FlashAttentionKernel {
  public:
-  static size_t scratch_bytes(int32_t max_rows, int32_t head_dim) {
-    return ScratchLayout(std::max(max_rows, 1), head_dim).total;
+  static size_t scratch_bytes(int32_t max_rows, int32_t head_dim, int32_t head_dim_vo) {
+    return ScratchLayout(std::max(max_rows, 1), head_dim, head_dim_vo).total;
   }
 
   static void run_work_item(const FastAttentionContext& context, const WorkItem& item,
@@ -104,12 +104,15 @@ class FlashAttentionKernel {
   // Byte offsets of the per-thread buffers of one work item.
   struct ScratchLayout {
     int32_t rows_padded;  // query rows, padded to whole vectors
-    int32_t dim_padded;   // head_dim, padded to whole vectors (V and O rows)
+    int32_t qk_padded;    // head_dim (q / k width), padded to whole vectors (Q and K rows)
+    int32_t dim_padded;   // head_dim_vo, padded to whole vectors (V and O rows)
     size_t q_t, o, row_max, row_sum, row_alpha, k_tile, v_tile, s_tile, row_buffer, k_offsets,
         v_offsets, first_key, last_key, total;
 
-    ScratchLayout(int32_t rows, int32_t head_dim)
-        : rows_padded(round_up(rows, kLanes)), dim_padded(round_up(head_dim, kLanes)) {
+    ScratchLayout(int32_t rows, int32_t head_dim, int32_t head_dim_vo)
+        : rows_padded(round_up(rows, kLanes)),
+          qk_padded(round_up(head_dim, kLanes)),
+          dim_padded(round_up(head_dim_vo, kLanes)) {
       size_t offset = 0;
       auto take = [&offset](size_t bytes) {
         const size_t at = offset;
@@ -117,15 +120,15 @@ class FlashAttentionKernel {
         return at;
       };
       const size_t f = sizeof(float);
-      q_t = take(f * dim_padded * rows_padded);  // Q^T, or row-major Q for few rows
+      q_t = take(f * qk_padded * rows_padded);  // Q^T, or row-major Q for few rows
       o = take(f * rows_padded * dim_padded);
       row_max = take(f * rows_padded);
       row_sum = take(f * rows_padded);
       row_alpha = take(f * rows_padded);
-      k_tile = take(f * kFastKeyTile * dim_padded);
+      k_tile = take(f * kFastKeyTile * qk_padded);
       v_tile = take(f * kFastKeyTile * dim_padded);
       s_tile = take(f * kFastKeyTile * rows_padded);
-      row_buffer = take(f * dim_padded + f * kConvertChunk);
+      row_buffer = take(f * std::max(qk_padded, dim_padded) + f * kConvertChunk);
       k_offsets = take(sizeof(int64_t) * kFastKeyTile);
       v_offsets = take(sizeof(int64_t) * kFastKeyTile);
       first_key = take(sizeof(int32_t) * rows);
@@ -498,7 +501,7 @@ class FlashAttentionKernel {
                                                 const float* row_sum, float* row_buffer) {
     const AttentionProblem& problem = *context.problem;
     const int32_t group_size = context.group_size;
-    const int32_t head_dim = problem.head_dim;
+    const int32_t head_dim = problem.head_dim_v();  // o and partial rows: the v width
     const float minus_inf_lse = -std::numeric_limits<float>::infinity();
     constexpr double kLn2 = 0.69314718055994530942;
     for (int32_t r = 0; r < rows; ++r) {
@@ -606,13 +609,14 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
   const AttentionProblem& problem = *context.problem;
   const KVSource& kv = problem.kv;
   const int32_t group_size = context.group_size;
-  const int32_t head_dim = problem.head_dim;
+  const int32_t head_dim = problem.head_dim, head_dim_v = problem.head_dim_v();
   const int32_t tokens = item.q_len;
   const int32_t rows = tokens * group_size;
   if (rows <= 0) return;
-  const ScratchLayout layout(rows, head_dim);
+  const ScratchLayout layout(rows, head_dim, head_dim_v);
   const int32_t rows_padded = layout.rows_padded;
-  const int32_t dim_padded = layout.dim_padded;
+  const int32_t qk_padded = layout.qk_padded;  // Q, K rows
+  const int32_t dim_padded = layout.dim_padded;  // V, O rows
   const int32_t pv_rows = round_up(rows, kPvRows);  // skip O blocks made only of padding rows
 
   const uintptr_t base_address = reinterpret_cast<uintptr_t>(scratch);
@@ -640,7 +644,7 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
   int32_t lo = item.kv_end, hi = item.kv_start;  // [lo, hi): every key some token sees
   visible_keys(problem, item, tokens, request_q_len, kv_len, first_key, last_key, &lo, &hi);
   const bool dot_scores = rows <= kDotMaxRows;
-  load_queries(context, item, rows, rows_padded, dim_padded, dot_scores, first_token, row_buffer,
+  load_queries(context, item, rows, rows_padded, qk_padded, dot_scores, first_token, row_buffer,
                q_t);
   std::memset(o, 0, sizeof(float) * rows_padded * dim_padded);
   // The dot-product S leaves padding rows unwritten: keep them finite for the softmax.
@@ -650,7 +654,8 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
 
   const float minus_inf = -std::numeric_limits<float>::infinity();
   const int64_t kv_element_bytes = static_cast<int64_t>(dtype_size(kv.dtype));
-  const int64_t kv_row_bytes = head_dim * kv_element_bytes;
+  const int64_t k_row_bytes = head_dim * kv_element_bytes;
+  const int64_t v_row_bytes = head_dim_v * kv_element_bytes;
   for (int32_t key0 = lo; key0 < hi; key0 += kFastKeyTile) {
     const int32_t keys = std::min(kFastKeyTile, hi - key0);
     const int32_t keys_padded = round_up(keys, kQkKeys);
@@ -666,29 +671,29 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
 
     tile_offsets(kv, request, item.kv_head, key0, keys, k_offsets, v_offsets);
     for (int32_t j = 0; j < keys; ++j) {
-      float* k_row = k_tile + j * dim_padded;
+      float* k_row = k_tile + j * qk_padded;
       float* v_row = v_tile + j * dim_padded;
       load_row(kv.k, kv.dtype, k_offsets[j], head_dim, context.fp8_table, k_row);
-      load_row(kv.v, kv.dtype, v_offsets[j], head_dim, context.fp8_table, v_row);
-      fill(k_row + head_dim, dim_padded - head_dim, 0.0f);
-      fill(v_row + head_dim, dim_padded - head_dim, 0.0f);
+      load_row(kv.v, kv.dtype, v_offsets[j], head_dim_v, context.fp8_table, v_row);
+      fill(k_row + head_dim, qk_padded - head_dim, 0.0f);
+      fill(v_row + head_dim_v, dim_padded - head_dim_v, 0.0f);
     }
     // Scattered K/V rows (one head's slice of a token, pages in any order) defeat the hardware
     // prefetcher; fetch the next tile while this one is computed.
     if (key0 + kFastKeyTile < hi) {
       const int32_t next_keys = std::min(kFastKeyTile, hi - key0 - kFastKeyTile);
       tile_offsets(kv, request, item.kv_head, key0 + kFastKeyTile, next_keys, k_offsets, v_offsets);
-      prefetch_rows(kv.k, k_offsets, next_keys, kv_element_bytes, kv_row_bytes);
-      prefetch_rows(kv.v, v_offsets, next_keys, kv_element_bytes, kv_row_bytes);
+      prefetch_rows(kv.k, k_offsets, next_keys, kv_element_bytes, k_row_bytes);
+      prefetch_rows(kv.v, v_offsets, next_keys, kv_element_bytes, v_row_bytes);
     }
     // Keys past the end of the range still go through the S block: keep them finite.
     const int32_t keys_computed = dot_scores ? round_up(keys, kLanes) : keys_padded;
-    std::memset(k_tile + keys * dim_padded, 0, sizeof(float) * (keys_computed - keys) * dim_padded);
+    std::memset(k_tile + keys * qk_padded, 0, sizeof(float) * (keys_computed - keys) * qk_padded);
 
     if (dot_scores) {
-      compute_scores_dot(q_t, rows, rows_padded, k_tile, dim_padded, keys, s_tile);
+      compute_scores_dot(q_t, rows, rows_padded, k_tile, qk_padded, keys, s_tile);
     } else {
-      compute_scores(q_t, rows_padded, k_tile, dim_padded, head_dim, keys_padded, s_tile);
+      compute_scores(q_t, rows_padded, k_tile, qk_padded, head_dim, keys_padded, s_tile);
     }
     if (context.soft_cap > 0.0f) apply_soft_cap(s_tile, keys * rows_padded, context.soft_cap);
     if (!all_visible) {

@@ -17,8 +17,8 @@ struct ReferenceRow {
   int32_t qo_head;
 };
 
-// Attention of one query row against the already-converted K/V rows (float, [kv_len, head_dim])
-// of its request and kv head. Writes head_dim values to `out`; returns the natural-log lse
+// Attention of one query row against the already-converted K/V rows (float, [kv_len, head_dim]
+// and [kv_len, head_dim_vo]) of its request and kv head. Writes head_dim_vo values to `out`; returns the natural-log lse
 // (-inf when the row sees no key or every visible score is -inf, and then `out` is all zeros;
 // NaN when a visible score is NaN or +inf, and then `out` is all NaN: the non-finite semantics
 // of include/tessera/attention.hpp). With problem.sinks the row's sink joins the softmax
@@ -30,7 +30,7 @@ double reference_row(const AttentionProblem& problem, int32_t request, int32_t t
 void reference_load_kv(const AttentionProblem& problem, bool values, int32_t request,
                        int32_t kv_head, std::vector<float>* out);
 
-// The oracle for a list of rows: o_out gets rows.size() x head_dim values, lse_out rows.size().
+// The oracle for a list of rows: o_out gets rows.size() x head_dim_vo values, lse_out rows.size().
 void cpu_reference_rows(const AttentionProblem& problem, std::span<const ReferenceRow> rows,
                         std::vector<double>* o_out, std::vector<double>* lse_out);
 

@@ -24,7 +24,7 @@ namespace tessera::detail {
 
 void cpu_reference_attention(const AttentionProblem& problem) {
   const int32_t group_size = problem.group_size();
-  const int32_t head_dim = problem.head_dim;
+  const int32_t head_dim = problem.head_dim_v();  // o rows
   std::vector<float> keys, values;
   std::vector<double> out(head_dim);
   for (int32_t b = 0; b < problem.batch_size; ++b) {

@@ -12,7 +12,8 @@ namespace tessera::detail {
 void reference_load_kv(const AttentionProblem& problem, bool values, int32_t request,
                        int32_t kv_head, std::vector<float>* out) {
   const KVSource& kv = problem.kv;
-  const int32_t kv_len = kv.kv_len(request), head_dim = problem.head_dim;
+  const int32_t kv_len = kv.kv_len(request);
+  const int32_t head_dim = values ? problem.head_dim_v() : problem.head_dim;
   const void* base = values ? kv.v : kv.k;
   out->resize(static_cast<size_t>(kv_len) * head_dim);
   for (int32_t j = 0; j < kv_len; ++j) {
@@ -29,7 +30,7 @@ namespace {
 // reference_row without the sink: o and lse of the visible keys alone.
 double sink_free_row(const AttentionProblem& problem, int32_t request, int32_t token,
                      int32_t qo_head, const float* keys, const float* values, double* out) {
-  const int32_t head_dim = problem.head_dim;
+  const int32_t head_dim = problem.head_dim, head_dim_v = problem.head_dim_v();
   const int32_t q_len = problem.q_len(request), kv_len = problem.kv.kv_len(request);
   const int64_t q_offset = static_cast<int64_t>(problem.q_begin(request) + token) *
                                problem.q_stride_token +
@@ -38,7 +39,7 @@ double sink_free_row(const AttentionProblem& problem, int32_t request, int32_t t
   for (int32_t d = 0; d < head_dim; ++d) {
     query[d] = load_as_float(problem.q, problem.q_dtype, q_offset + d);
   }
-  std::fill(out, out + head_dim, 0.0);
+  std::fill(out, out + head_dim_v, 0.0);
   int32_t first = 0, last = 0;
   problem.mask.visible_range(token, q_len, kv_len, &first, &last);
   if (first >= last) return -std::numeric_limits<double>::infinity();
@@ -59,7 +60,7 @@ double sink_free_row(const AttentionProblem& problem, int32_t request, int32_t t
     max_logit = std::max(max_logit, s);
   }
   if (poisoned) {
-    std::fill(out, out + head_dim, std::numeric_limits<double>::quiet_NaN());
+    std::fill(out, out + head_dim_v, std::numeric_limits<double>::quiet_NaN());
     return std::numeric_limits<double>::quiet_NaN();
   }
   // Every visible score is -inf (finite q against infinite keys): each has weight 0, as a
@@ -70,11 +71,11 @@ double sink_free_row(const AttentionProblem& problem, int32_t request, int32_t t
     // A -inf score gives p = 0 exactly; 0 * an infinite v is NaN (IEEE, as torch).
     const double p = std::exp(logits[j - first] - max_logit);
     sum += p;
-    const float* value = values + static_cast<size_t>(j) * head_dim;
-    for (int32_t d = 0; d < head_dim; ++d) out[d] += p * value[d];
+    const float* value = values + static_cast<size_t>(j) * head_dim_v;
+    for (int32_t d = 0; d < head_dim_v; ++d) out[d] += p * value[d];
   }
   const double v_scale = problem.v_scale;
-  for (int32_t d = 0; d < head_dim; ++d) out[d] = out[d] * v_scale / sum;
+  for (int32_t d = 0; d < head_dim_v; ++d) out[d] = out[d] * v_scale / sum;
   return max_logit + std::log(sum);
 }
 
@@ -86,7 +87,7 @@ double reference_row(const AttentionProblem& problem, int32_t request, int32_t t
   if (problem.sinks == nullptr) return lse;
   const SinkFold fold = fold_sink(lse, problem.sinks[qo_head]);
   // factor 0 (a row without keys) keeps o = 0 exactly; NaN makes the row NaN.
-  for (int32_t d = 0; d < problem.head_dim; ++d) {
+  for (int32_t d = 0; d < problem.head_dim_v(); ++d) {
     out[d] = std::isnan(fold.factor) ? fold.factor : out[d] * fold.factor;
   }
   return fold.lse;
@@ -94,7 +95,7 @@ double reference_row(const AttentionProblem& problem, int32_t request, int32_t t
 
 void cpu_reference_rows(const AttentionProblem& problem, std::span<const ReferenceRow> rows,
                         std::vector<double>* o_out, std::vector<double>* lse_out) {
-  const int32_t head_dim = problem.head_dim;
+  const int32_t head_dim = problem.head_dim_v();
   o_out->assign(rows.size() * head_dim, 0.0);
   lse_out->assign(rows.size(), 0.0);
   std::vector<float> keys, values;

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <memory>
+#include <tuple>
 
 #include "core/backends.hpp"
 #if defined(TESSERA_HAVE_CUDA)
@@ -65,6 +66,7 @@ AttentionOptions options_of(const AttentionCase& c) {
   options.sm_scale = c.sm_scale;
   options.k_scale = c.k_scale;
   options.v_scale = c.v_scale;
+  options.head_dim_vo = c.head_dim_vo;
   return options;
 }
 
@@ -114,7 +116,7 @@ Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* gi
       make_view(q->data(), c.q_dtype, {c.total_q(), c.num_qo_heads, c.head_dim},
                 {buffers.q_stride_token, buffers.q_stride_head, 1}, device);
   const TensorView o_view =
-      make_view(o->data(), c.q_dtype, {c.total_q(), c.num_qo_heads, c.head_dim},
+      make_view(o->data(), c.q_dtype, {c.total_q(), c.num_qo_heads, c.head_dim_v()},
                 {buffers.o_stride_token, buffers.o_stride_head, 1}, device);
   const TensorView lse_view =
       c.with_lse ? make_view(lse->data(), DType::kFloat32, {c.total_q(), c.num_qo_heads},
@@ -125,14 +127,15 @@ Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* gi
   if (c.paged) {
     cache.layout = c.layout;
     const bool nhd = c.layout == KVLayout::kNHD;
-    for (auto [target, buffer] : {std::pair{&cache.k_cache, k.get()}, {&cache.v_cache, v.get()}}) {
+    for (auto [target, buffer, width] : {std::tuple{&cache.k_cache, k.get(), c.head_dim},
+                                         {&cache.v_cache, v.get(), c.head_dim_v()}}) {
       *target = nhd ? make_view(buffer->data(), c.kv_dtype,
-                                {buffers.num_pages, c.page_size, c.num_kv_heads, c.head_dim},
+                                {buffers.num_pages, c.page_size, c.num_kv_heads, width},
                                 {buffers.kv_stride_page, buffers.kv_stride_token,
                                  buffers.kv_stride_head, 1},
                                 device)
                     : make_view(buffer->data(), c.kv_dtype,
-                                {buffers.num_pages, c.num_kv_heads, c.page_size, c.head_dim},
+                                {buffers.num_pages, c.num_kv_heads, c.page_size, width},
                                 {buffers.kv_stride_page, buffers.kv_stride_head,
                                  buffers.kv_stride_token, 1},
                                 device);
@@ -147,7 +150,7 @@ Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* gi
           make_view(k->data(), c.kv_dtype, {c.total_kv(), c.num_kv_heads, c.head_dim},
                     {buffers.kv_stride_token, buffers.kv_stride_head, 1}, device);
       const TensorView v_view =
-          make_view(v->data(), c.kv_dtype, {c.total_kv(), c.num_kv_heads, c.head_dim},
+          make_view(v->data(), c.kv_dtype, {c.total_kv(), c.num_kv_heads, c.head_dim_v()},
                     {buffers.kv_stride_token, buffers.kv_stride_head, 1}, device);
       run_ragged_prefill(plan, q_view, k_view, v_view,
                          index_view(*qo_indptr, buffers.qo_indptr.size(), device),

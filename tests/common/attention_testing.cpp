@@ -114,8 +114,9 @@ std::string AttentionCase::describe() const {
   for (size_t i = 0; i < q_lens.size(); ++i) text << (i ? "," : "") << q_lens[i];
   text << "] kv_lens=[";
   for (size_t i = 0; i < kv_lens.size(); ++i) text << (i ? "," : "") << kv_lens[i];
-  text << "] heads=" << num_qo_heads << "/" << num_kv_heads << " d=" << head_dim
-       << " q=" << short_name(q_dtype) << " kv=" << short_name(kv_dtype);
+  text << "] heads=" << num_qo_heads << "/" << num_kv_heads << " d=" << head_dim;
+  if (head_dim_v() != head_dim) text << " d_vo=" << head_dim_v();
+  text << " q=" << short_name(q_dtype) << " kv=" << short_name(kv_dtype);
   if (paged) {
     text << " paged(page=" << page_size << (layout == KVLayout::kHND ? ",HND" : ",NHD")
          << ",spare=" << spare_pages << ")";
@@ -197,12 +198,13 @@ AttentionBuffers make_buffers(const AttentionCase& c, std::mt19937_64& rng) {
   AttentionBuffers buffers;
   buffers.test_case = c;
   const int32_t batch = c.batch_size();
-  const int32_t head_dim = c.head_dim;
+  const int32_t head_dim = c.head_dim, head_dim_v = c.head_dim_v();
+  const int32_t kv_width = std::max(head_dim, head_dim_v);  // K and V share strides
   const int64_t total_q = c.total_q();
 
   buffers.q_stride_head = head_dim + c.q_head_pad;
   buffers.q_stride_token = c.num_qo_heads * buffers.q_stride_head + c.q_token_pad;
-  buffers.o_stride_head = head_dim + c.o_head_pad;
+  buffers.o_stride_head = head_dim_v + c.o_head_pad;
   buffers.o_stride_token = c.num_qo_heads * buffers.o_stride_head + c.o_token_pad;
   buffers.lse_stride_token = c.num_qo_heads + c.lse_token_pad;
 
@@ -214,7 +216,7 @@ AttentionBuffers make_buffers(const AttentionCase& c, std::mt19937_64& rng) {
   int64_t kv_elements = 0;
   std::vector<int32_t> request_pages(batch, 0);
   if (!c.paged) {
-    buffers.kv_stride_head = head_dim + c.kv_head_pad;
+    buffers.kv_stride_head = kv_width + c.kv_head_pad;
     buffers.kv_stride_token = c.num_kv_heads * buffers.kv_stride_head + c.kv_token_pad;
     buffers.kv_indptr.assign(batch + 1, 0);
     for (int32_t b = 0; b < batch; ++b) {
@@ -223,11 +225,11 @@ AttentionBuffers make_buffers(const AttentionCase& c, std::mt19937_64& rng) {
     kv_elements = std::max<int64_t>(c.total_kv(), 1) * buffers.kv_stride_token;
   } else {
     if (c.layout == KVLayout::kNHD) {
-      buffers.kv_stride_head = head_dim + c.kv_head_pad;
+      buffers.kv_stride_head = kv_width + c.kv_head_pad;
       buffers.kv_stride_token = c.num_kv_heads * buffers.kv_stride_head + c.kv_token_pad;
       buffers.kv_stride_page = c.page_size * buffers.kv_stride_token;
     } else {
-      buffers.kv_stride_token = head_dim + c.kv_token_pad;
+      buffers.kv_stride_token = kv_width + c.kv_token_pad;
       buffers.kv_stride_head = c.page_size * buffers.kv_stride_token + c.kv_head_pad;
       buffers.kv_stride_page = c.num_kv_heads * buffers.kv_stride_head;
     }
@@ -280,9 +282,14 @@ AttentionBuffers make_buffers(const AttentionCase& c, std::mt19937_64& rng) {
       for (int32_t h = 0; h < c.num_kv_heads; ++h) {
         const int64_t k_offset = problem.kv.k_offset(b, h, j);
         const int64_t v_offset = problem.kv.v_offset(b, h, j);
-        for (int32_t d = 0; d < head_dim; ++d) {
-          fill_tensor(&buffers.k, c.kv_dtype, k_offset + d, nonzero_value(rng, 0.05f, 2.0f));
-          fill_tensor(&buffers.v, c.kv_dtype, v_offset + d, nonzero_value(rng, 0.05f, 1.0f));
+        for (int32_t d = 0; d < kv_width; ++d) {
+          // Equal widths draw exactly as before (k then v per element).
+          if (d < head_dim) {
+            fill_tensor(&buffers.k, c.kv_dtype, k_offset + d, nonzero_value(rng, 0.05f, 2.0f));
+          }
+          if (d < head_dim_v) {
+            fill_tensor(&buffers.v, c.kv_dtype, v_offset + d, nonzero_value(rng, 0.05f, 1.0f));
+          }
         }
       }
     }
@@ -323,6 +330,7 @@ detail::AttentionProblem make_problem(const AttentionBuffers& buffers,
   problem.num_qo_heads = c.num_qo_heads;
   problem.num_kv_heads = c.num_kv_heads;
   problem.head_dim = c.head_dim;
+  problem.head_dim_vo = c.head_dim_v();
   problem.q = pointers.q;
   problem.q_stride_token = buffers.q_stride_token;
   problem.q_stride_head = buffers.q_stride_head;
@@ -411,7 +419,7 @@ Comparison compare_outputs(const AttentionBuffers& buffers, const Outputs& actua
       for (int32_t h = 0; h < c.num_qo_heads; ++h) {
         const int64_t base = token * buffers.o_stride_token + h * buffers.o_stride_head;
         bool row_nonzero = false;
-        for (int32_t d = 0; d < c.head_dim; ++d) {
+        for (int32_t d = 0; d < c.head_dim_v(); ++d) {
           o_logical[base + d] = true;
           const double out = detail::load_as_float(actual.o.data(), c.q_dtype, base + d);
           const double ref = detail::load_as_float(expected.o.data(), c.q_dtype, base + d);
@@ -487,6 +495,7 @@ Plan make_test_plan(const AttentionCase& c, const TestPlanOptions& options) {
   plan.num_qo_heads = c.num_qo_heads;
   plan.num_kv_heads = c.num_kv_heads;
   plan.head_dim = c.head_dim;
+  plan.options.head_dim_vo = c.head_dim_v();
   plan.page_size = c.paged ? c.page_size : 0;
   plan.options.causal = c.causal;
   plan.options.window_left = c.window_left;

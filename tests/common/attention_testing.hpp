@@ -34,6 +34,9 @@ struct AttentionCase {
   int32_t num_qo_heads = 8;
   int32_t num_kv_heads = 8;
   int32_t head_dim = 128;
+  // Width of v and o rows (AttentionOptions::head_dim_vo); 0: head_dim. K and V share their
+  // strides, sized for the wider of the two (the narrower one's rows end in NaN padding).
+  int32_t head_dim_vo = 0;
   DType q_dtype = DType::kFloat16;  // q and o
   DType kv_dtype = DType::kFloat16;
   bool paged = false;
@@ -62,6 +65,7 @@ struct AttentionCase {
 
   int32_t batch_size() const { return static_cast<int32_t>(q_lens.size()); }
   int32_t group_size() const { return num_qo_heads / num_kv_heads; }
+  int32_t head_dim_v() const { return head_dim_vo > 0 ? head_dim_vo : head_dim; }
   int64_t total_q() const;
   int64_t total_kv() const;
   float resolved_sm_scale() const;
