@@ -103,6 +103,22 @@ typedef struct tessera_attention_options {
 /* Fills the defaults: not causal, no window, no soft-cap, sm_scale 1/sqrt(D), scales 1. */
 TESSERA_API void tessera_attention_options_default(tessera_attention_options* options);
 
+/* Plan-time options beyond tessera_attention_options, for the *_v2 plan calls. Extensible like
+ * tessera_run_options: the caller sets struct_size = sizeof(tessera_plan_options) as its header
+ * declares it (or calls tessera_plan_options_default), and the library reads only the fields
+ * that size covers. plan_options may be NULL (all defaults).
+ *  - head_dim_vo: width of v, v_cache and o rows when it differs from head_dim (the q / k width);
+ *    0 = head_dim. A multiple of 8 in [8, 512]; a pair other than the equal one runs on the CPU
+ *    only (TESSERA_ERROR_UNSUPPORTED naming options.head_dim_vo on CUDA). The one-shot calls
+ *    take it from v's (v_cache's) last dimension. */
+typedef struct tessera_plan_options {
+  size_t struct_size;
+  int32_t head_dim_vo;
+} tessera_plan_options;
+
+/* Fills the defaults: struct_size = sizeof(tessera_plan_options), head_dim_vo 0. */
+TESSERA_API void tessera_plan_options_default(tessera_plan_options* plan_options);
+
 typedef struct tessera_rope_options {
   int32_t rotary_dim; /* 0 = head_dim; even, <= head_dim and <= 256 */
   int interleave;     /* 0: NeoX pairs (x[i], x[i + d/2]); non-zero: GPT-J pairs (x[2i], x[2i+1]) */
@@ -160,6 +176,27 @@ TESSERA_API tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
                                                int num_kv_heads, int head_dim, int q_per_request,
                                                const tessera_attention_options* options,
                                                int device_type, int device_id, tessera_plan** out);
+
+/* The plan calls above with plan-time options (the versions without _v2 are these with NULL). */
+TESSERA_API tessera_status tessera_plan_ragged_prefill_v2(
+    const int32_t* qo_indptr_host, const int32_t* kv_indptr_host, int64_t batch_size,
+    int num_qo_heads, int num_kv_heads, int head_dim, const tessera_attention_options* options,
+    const tessera_plan_options* plan_options, int device_type, int device_id, tessera_plan** out);
+
+TESSERA_API tessera_status tessera_plan_paged_prefill_v2(
+    const int32_t* qo_indptr_host, const int32_t* page_indptr_host,
+    const int32_t* last_page_len_host, int64_t batch_size, int page_size, int num_qo_heads,
+    int num_kv_heads, int head_dim, const tessera_attention_options* options,
+    const tessera_plan_options* plan_options, int device_type, int device_id, tessera_plan** out);
+
+TESSERA_API tessera_status tessera_plan_decode_v2(
+    const int32_t* page_indptr_host, const int32_t* last_page_len_host, int64_t batch_size,
+    int page_size, int num_qo_heads, int num_kv_heads, int head_dim, int q_per_request,
+    const tessera_attention_options* options, const tessera_plan_options* plan_options,
+    int device_type, int device_id, tessera_plan** out);
+
+/* Width of the plan's v and o rows (head_dim_vo, resolved: head_dim when not set); 0 for NULL. */
+TESSERA_API int32_t tessera_plan_head_dim_vo(const tessera_plan* plan);
 
 /* Copies the plan's work lists into `workspace` (the plan's device, at least
  * tessera_plan_workspace_bytes(plan) bytes) with one asynchronous copy on `stream`, so that later

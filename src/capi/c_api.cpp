@@ -85,6 +85,12 @@ void tessera_run_options_default(tessera_run_options* run_options) {
   run_options->enable_pdl = 0;
 }
 
+void tessera_plan_options_default(tessera_plan_options* plan_options) {
+  if (plan_options == nullptr) return;
+  plan_options->struct_size = sizeof(tessera_plan_options);
+  plan_options->head_dim_vo = 0;
+}
+
 void tessera_rope_options_default(tessera_rope_options* options) {
   if (options == nullptr) return;
   const tessera::RopeOptions defaults;
@@ -101,11 +107,12 @@ void tessera_rope_options_default(tessera_rope_options* options) {
 
 // ---------------------------------------------------------------- plan
 
-tessera_status tessera_plan_ragged_prefill(const int32_t* qo_indptr_host,
-                                           const int32_t* kv_indptr_host, int64_t batch_size,
-                                           int num_qo_heads, int num_kv_heads, int head_dim,
-                                           const tessera_attention_options* options,
-                                           int device_type, int device_id, tessera_plan** out) {
+tessera_status tessera_plan_ragged_prefill_v2(const int32_t* qo_indptr_host,
+                                              const int32_t* kv_indptr_host, int64_t batch_size,
+                                              int num_qo_heads, int num_kv_heads, int head_dim,
+                                              const tessera_attention_options* options,
+                                              const tessera_plan_options* plan_options,
+                                              int device_type, int device_id, tessera_plan** out) {
   constexpr const char* kFunction = "tessera_plan_ragged_prefill";
   return make_plan(kFunction, out, [&] {
     const Converter convert(kFunction);
@@ -113,8 +120,38 @@ tessera_status tessera_plan_ragged_prefill(const int32_t* qo_indptr_host,
     const auto qo = convert.host_array(qo_indptr_host, batch_size + 1, "qo_indptr_host");
     const auto kv = convert.host_array(kv_indptr_host, batch_size + 1, "kv_indptr_host");
     const Device device = convert.device(device_type, device_id);
-    return tessera::plan_ragged_prefill(qo, kv, num_qo_heads, num_kv_heads, head_dim,
-                                        attention_options(options), device);
+    return tessera::plan_ragged_prefill(
+        qo, kv, num_qo_heads, num_kv_heads, head_dim,
+        convert.plan_options(attention_options(options), plan_options), device);
+  });
+}
+
+tessera_status tessera_plan_ragged_prefill(const int32_t* qo_indptr_host,
+                                           const int32_t* kv_indptr_host, int64_t batch_size,
+                                           int num_qo_heads, int num_kv_heads, int head_dim,
+                                           const tessera_attention_options* options,
+                                           int device_type, int device_id, tessera_plan** out) {
+  return tessera_plan_ragged_prefill_v2(qo_indptr_host, kv_indptr_host, batch_size, num_qo_heads,
+                                        num_kv_heads, head_dim, options, nullptr, device_type,
+                                        device_id, out);
+}
+
+tessera_status tessera_plan_paged_prefill_v2(
+    const int32_t* qo_indptr_host, const int32_t* page_indptr_host,
+    const int32_t* last_page_len_host, int64_t batch_size, int page_size, int num_qo_heads,
+    int num_kv_heads, int head_dim, const tessera_attention_options* options,
+    const tessera_plan_options* plan_options, int device_type, int device_id, tessera_plan** out) {
+  constexpr const char* kFunction = "tessera_plan_paged_prefill";
+  return make_plan(kFunction, out, [&] {
+    const Converter convert(kFunction);
+    convert.batch_size(batch_size);
+    const auto qo = convert.host_array(qo_indptr_host, batch_size + 1, "qo_indptr_host");
+    const auto pages = convert.host_array(page_indptr_host, batch_size + 1, "page_indptr_host");
+    const auto last = convert.host_array(last_page_len_host, batch_size, "last_page_len_host");
+    const Device device = convert.device(device_type, device_id);
+    return tessera::plan_paged_prefill(
+        qo, pages, last, page_size, num_qo_heads, num_kv_heads, head_dim,
+        convert.plan_options(attention_options(options), plan_options), device);
   });
 }
 
@@ -124,24 +161,18 @@ tessera_status tessera_plan_paged_prefill(const int32_t* qo_indptr_host,
                                           int page_size, int num_qo_heads, int num_kv_heads,
                                           int head_dim, const tessera_attention_options* options,
                                           int device_type, int device_id, tessera_plan** out) {
-  constexpr const char* kFunction = "tessera_plan_paged_prefill";
-  return make_plan(kFunction, out, [&] {
-    const Converter convert(kFunction);
-    convert.batch_size(batch_size);
-    const auto qo = convert.host_array(qo_indptr_host, batch_size + 1, "qo_indptr_host");
-    const auto pages = convert.host_array(page_indptr_host, batch_size + 1, "page_indptr_host");
-    const auto last = convert.host_array(last_page_len_host, batch_size, "last_page_len_host");
-    const Device device = convert.device(device_type, device_id);
-    return tessera::plan_paged_prefill(qo, pages, last, page_size, num_qo_heads, num_kv_heads,
-                                       head_dim, attention_options(options), device);
-  });
+  return tessera_plan_paged_prefill_v2(qo_indptr_host, page_indptr_host, last_page_len_host,
+                                       batch_size, page_size, num_qo_heads, num_kv_heads,
+                                       head_dim, options, nullptr, device_type, device_id, out);
 }
 
-tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
-                                   const int32_t* last_page_len_host, int64_t batch_size,
-                                   int page_size, int num_qo_heads, int num_kv_heads, int head_dim,
-                                   int q_per_request, const tessera_attention_options* options,
-                                   int device_type, int device_id, tessera_plan** out) {
+tessera_status tessera_plan_decode_v2(const int32_t* page_indptr_host,
+                                      const int32_t* last_page_len_host, int64_t batch_size,
+                                      int page_size, int num_qo_heads, int num_kv_heads,
+                                      int head_dim, int q_per_request,
+                                      const tessera_attention_options* options,
+                                      const tessera_plan_options* plan_options, int device_type,
+                                      int device_id, tessera_plan** out) {
   constexpr const char* kFunction = "tessera_plan_decode";
   return make_plan(kFunction, out, [&] {
     const Converter convert(kFunction);
@@ -150,8 +181,23 @@ tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
     const auto last = convert.host_array(last_page_len_host, batch_size, "last_page_len_host");
     const Device device = convert.device(device_type, device_id);
     return tessera::plan_decode(pages, last, page_size, num_qo_heads, num_kv_heads, head_dim,
-                                attention_options(options), device, q_per_request);
+                                convert.plan_options(attention_options(options), plan_options),
+                                device, q_per_request);
   });
+}
+
+tessera_status tessera_plan_decode(const int32_t* page_indptr_host,
+                                   const int32_t* last_page_len_host, int64_t batch_size,
+                                   int page_size, int num_qo_heads, int num_kv_heads, int head_dim,
+                                   int q_per_request, const tessera_attention_options* options,
+                                   int device_type, int device_id, tessera_plan** out) {
+  return tessera_plan_decode_v2(page_indptr_host, last_page_len_host, batch_size, page_size,
+                                num_qo_heads, num_kv_heads, head_dim, q_per_request, options,
+                                nullptr, device_type, device_id, out);
+}
+
+int32_t tessera_plan_head_dim_vo(const tessera_plan* plan) {
+  return plan == nullptr ? 0 : plan->plan.head_dim_v();
 }
 
 tessera_status tessera_plan_upload(tessera_plan* plan, void* workspace, size_t workspace_bytes,

@@ -131,6 +131,22 @@ class Converter {
     return result;
   }
 
+  // tessera_plan_options (NULL: defaults) folded into `options`; only the fields its
+  // struct_size covers are read.
+  tessera::AttentionOptions plan_options(tessera::AttentionOptions options,
+                                         const tessera_plan_options* plan_options) const {
+    if (plan_options == nullptr) return options;
+    if (plan_options->struct_size < sizeof(plan_options->struct_size)) {
+      fail("plan_options", "struct_size " + std::to_string(plan_options->struct_size) +
+                               " is too small; set it to sizeof(tessera_plan_options)");
+    }
+    if (plan_options->struct_size >=
+        offsetof(tessera_plan_options, head_dim_vo) + sizeof(plan_options->head_dim_vo)) {
+      options.head_dim_vo = plan_options->head_dim_vo;
+    }
+    return options;
+  }
+
   const tessera::Plan& plan(const tessera_plan* plan) const {
     if (plan == nullptr) fail("plan", "expected a tessera_plan, got NULL");
     return plan->plan;
