@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "core/masks.hpp"
 #include "tessera/types.hpp"
 
 #if defined(__CUDACC__)
@@ -143,6 +144,9 @@ struct AttentionProblem {
   float k_scale = 1.0f;   // fp8 KV dequantisation
   float v_scale = 1.0f;
   MaskSpec mask;
+  // Optional custom (prefill) or tree (decode) mask, ANDed with `mask` (core/masks.hpp); CPU
+  // backend only (set_key_mask rejects one on a CUDA plan).
+  KeyMask key_mask;
 
   TESSERA_HD int32_t group_size() const { return num_qo_heads / num_kv_heads; }
   TESSERA_HD int32_t q_begin(int b) const { return qo_indptr ? qo_indptr[b] : b * q_per_request; }
