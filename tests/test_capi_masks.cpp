@@ -73,16 +73,15 @@ class CApiMasksTest : public CApiTest {
     }
     tessera_plan* plan = nullptr;
     tessera_status status =
-        op == 0 ? tessera_plan_ragged_prefill(qo_indptr_host.data(), kv_indptr_host.data(), kBatch,
-                                              kQoHeads, kKvHeads, kHeadDim, &options, kDLCPU, 0,
-                                              &plan)
-        : op == 1
-            ? tessera_plan_paged_prefill(qo_indptr_host.data(), page_indptr_host.data(),
-                                         last_page_len_host.data(), kBatch, kPageSize, kQoHeads,
-                                         kKvHeads, kHeadDim, &options, kDLCPU, 0, &plan)
-            : tessera_plan_decode(page_indptr_host.data(), last_page_len_host.data(), kBatch,
-                                  kPageSize, kQoHeads, kKvHeads, kHeadDim, kQPerRequest, &options,
-                                  kDLCPU, 0, &plan);
+        op == 0
+            ? tessera_plan_ragged_prefill(qo_indptr_host.data(), kv_indptr_host.data(), kBatch,
+                                          kQoHeads, kKvHeads, kHeadDim, &options, kDLCPU, 0, &plan)
+        : op == 1 ? tessera_plan_paged_prefill(
+                        qo_indptr_host.data(), page_indptr_host.data(), last_page_len_host.data(),
+                        kBatch, kPageSize, kQoHeads, kKvHeads, kHeadDim, &options, kDLCPU, 0, &plan)
+                  : tessera_plan_decode(page_indptr_host.data(), last_page_len_host.data(), kBatch,
+                                        kPageSize, kQoHeads, kKvHeads, kHeadDim, kQPerRequest,
+                                        &options, kDLCPU, 0, &plan);
     if (status != TESSERA_OK) return status;
     std::vector<unsigned char> workspace(tessera_plan_workspace_bytes(plan) + 1);
     if (op == 0) {
@@ -90,9 +89,9 @@ class CApiMasksTest : public CApiTest {
                                              kv_indptr.dl(), out.dl(), out_lse.dl(),
                                              workspace.data(), workspace.size(), nullptr, run);
     } else if (op == 1) {
-      status = tessera_run_paged_prefill_v2(plan, q.dl(), &kv, qo_indptr.dl(), out.dl(),
-                                            out_lse.dl(), workspace.data(), workspace.size(),
-                                            nullptr, run);
+      status =
+          tessera_run_paged_prefill_v2(plan, q.dl(), &kv, qo_indptr.dl(), out.dl(), out_lse.dl(),
+                                       workspace.data(), workspace.size(), nullptr, run);
     } else {
       status = tessera_run_decode_v2(plan, q_decode.dl(), &kv, out.dl(), out_lse.dl(),
                                      workspace.data(), workspace.size(), nullptr, run);
@@ -107,8 +106,8 @@ class CApiMasksTest : public CApiTest {
       tessera::ragged_prefill(q.view(), k.view(), v.view(), qo_indptr.view(), kv_indptr.view(),
                               out.view(), out_lse.view(), options_cpp(), nullptr, run);
     } else if (op == 1) {
-      tessera::paged_prefill(q.view(), paged_kv_cpp(), qo_indptr.view(), out.view(),
-                             out_lse.view(), options_cpp(), nullptr, run);
+      tessera::paged_prefill(q.view(), paged_kv_cpp(), qo_indptr.view(), out.view(), out_lse.view(),
+                             options_cpp(), nullptr, run);
     } else {
       tessera::decode(q_decode.view(), paged_kv_cpp(), out.view(), out_lse.view(), options_cpp(),
                       nullptr, run);
@@ -193,12 +192,13 @@ TEST_F(CApiMasksTest, BadMasksFailByName) {
         DLTensor* tree;
         const char* field;
       };
-      for (const Bad& bad : {Bad{int8_mask.dl(), mask_indptr.dl(), nullptr, "run_options.custom_mask"},
-                             Bad{custom.dl(), short_indptr.dl(), nullptr, "run_options.mask_indptr"},
-                             Bad{custom.dl(), small_segments.dl(), nullptr, "run_options.mask_indptr"},
-                             Bad{custom.dl(), past_end.dl(), nullptr, "run_options.mask_indptr"},
-                             Bad{custom.dl(), nullptr, nullptr, "run_options.mask_indptr"},
-                             Bad{nullptr, nullptr, tree.dl(), "run_options.tree_mask"}}) {
+      for (const Bad& bad :
+           {Bad{int8_mask.dl(), mask_indptr.dl(), nullptr, "run_options.custom_mask"},
+            Bad{custom.dl(), short_indptr.dl(), nullptr, "run_options.mask_indptr"},
+            Bad{custom.dl(), small_segments.dl(), nullptr, "run_options.mask_indptr"},
+            Bad{custom.dl(), past_end.dl(), nullptr, "run_options.mask_indptr"},
+            Bad{custom.dl(), nullptr, nullptr, "run_options.mask_indptr"},
+            Bad{nullptr, nullptr, tree.dl(), "run_options.tree_mask"}}) {
         tessera_run_options run = prefill_options;
         run.custom_mask = bad.custom;
         run.mask_indptr = bad.indptr;

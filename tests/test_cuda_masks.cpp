@@ -63,11 +63,16 @@ struct GpuCase {
 
   GpuCase(Op op, std::mt19937_64& rng)
       : buffers(test::make_buffers(small_case(op), rng)),
-        masks(op == Op::kDecode ? test::tree_masks(buffers.test_case, test::TreeShape::kTree, rng)
-                                : test::custom_masks(buffers.test_case,
-                                                     test::MaskPattern::kRandom, rng)),
-        q(buffers.q), k(buffers.k), v(buffers.v), o(buffers.o.size()), lse(buffers.lse.size()),
-        qo_indptr(buffers.qo_indptr), kv_indptr(std::max<size_t>(buffers.kv_indptr.size(), 1) * 4),
+        masks(op == Op::kDecode
+                  ? test::tree_masks(buffers.test_case, test::TreeShape::kTree, rng)
+                  : test::custom_masks(buffers.test_case, test::MaskPattern::kRandom, rng)),
+        q(buffers.q),
+        k(buffers.k),
+        v(buffers.v),
+        o(buffers.o.size()),
+        lse(buffers.lse.size()),
+        qo_indptr(buffers.qo_indptr),
+        kv_indptr(std::max<size_t>(buffers.kv_indptr.size(), 1) * 4),
         page_indptr(std::max<size_t>(buffers.page_indptr.size(), 1) * 4),
         page_indices(std::max<size_t>(buffers.page_indices.size(), 1) * 4),
         last_page_len(std::max<size_t>(buffers.last_page_len.size(), 1) * 4),
@@ -105,7 +110,8 @@ struct GpuCase {
     RunOptions options = masks.run_options();
     if (!on_device) return options;
     for (auto [view, buffer] : {std::pair{&options.custom_mask, &custom},
-                                {&options.mask_indptr, &mask_indptr}, {&options.tree_mask, &tree}}) {
+                                {&options.mask_indptr, &mask_indptr},
+                                {&options.tree_mask, &tree}}) {
       if (!has_value(*view)) continue;
       view->data = buffer->data();
       view->device = kGpu;
@@ -137,10 +143,10 @@ struct GpuCase {
     const Workspace ws{workspace.data(), workspace.bytes()};
     const AttentionOptions attention = test::options_of(c());
     if (op == Op::kRagged) {
-      const TensorView k_view = make_view(k.data(), c().kv_dtype,
-                                          {c().total_kv(), c().num_kv_heads, c().head_dim}, kGpu);
-      const TensorView v_view = make_view(v.data(), c().kv_dtype,
-                                          {c().total_kv(), c().num_kv_heads, c().head_dim}, kGpu);
+      const TensorView k_view =
+          make_view(k.data(), c().kv_dtype, {c().total_kv(), c().num_kv_heads, c().head_dim}, kGpu);
+      const TensorView v_view =
+          make_view(v.data(), c().kv_dtype, {c().total_kv(), c().num_kv_heads, c().head_dim}, kGpu);
       const TensorView kvp =
           gpu_index_view(kv_indptr, static_cast<int64_t>(buffers.kv_indptr.size()));
       if (one_shot) {

@@ -48,7 +48,9 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 int32_t uniform_int(std::mt19937_64& rng, int32_t lo, int32_t hi) {
   return std::uniform_int_distribution<int32_t>(lo, hi)(rng);
 }
-bool chance(std::mt19937_64& rng, double p) { return std::bernoulli_distribution(p)(rng); }
+bool chance(std::mt19937_64& rng, double p) {
+  return std::bernoulli_distribution(p)(rng);
+}
 
 enum class MaskOp : int32_t { kRagged, kPaged, kDecode };
 const char* mask_op_name(MaskOp op) {
@@ -130,14 +132,14 @@ std::string compare(const AttentionBuffers& buffers, const Outputs& actual,
   const AttentionCase& c = buffers.test_case;
   const test::Comparison result = test::compare_outputs(buffers, actual, expected);
   return result.ok(test::default_tolerance(c), test::default_lse_tolerance(c)) ? ""
-                                                                                : result.describe();
+                                                                               : result.describe();
 }
 
 // Every implementation (each ISA unsplit and split, the public API) against `expected`.
 void check_all_paths(AttentionBuffers& buffers, const CaseMasks& masks, const Outputs& expected,
                      const std::string& what) {
-  for (detail::CpuIsa isa : {detail::CpuIsa::kGeneric, detail::CpuIsa::kAvx2,
-                             detail::CpuIsa::kAvx512}) {
+  for (detail::CpuIsa isa :
+       {detail::CpuIsa::kGeneric, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512}) {
     if (!detail::cpu_supports(isa)) continue;
     test::TestPlanOptions unsplit, split;
     split.q_tile_rows = 16;
@@ -226,9 +228,9 @@ BruteForce brute_force(AttentionBuffers& buffers, const CaseMasks& masks) {
           if (!in) continue;
           double dot = 0;
           for (int32_t d = 0; d < dim; ++d) {
-            dot += detail::load_as_float(buffers.q.data(), c.q_dtype,
-                                         token * buffers.q_stride_token +
-                                             h * buffers.q_stride_head + d) *
+            dot += detail::load_as_float(
+                       buffers.q.data(), c.q_dtype,
+                       token * buffers.q_stride_token + h * buffers.q_stride_head + d) *
                    detail::load_as_float(buffers.k.data(), c.kv_dtype,
                                          problem.kv.k_offset(b, kv_head, j) + d);
           }
@@ -250,9 +252,10 @@ BruteForce brute_force(AttentionBuffers& buffers, const CaseMasks& masks) {
         for (size_t n = 0; n < keys.size(); ++n) {
           const double p = std::exp(scores[n] - top) / sum;
           for (int32_t d = 0; d < dim; ++d) {
-            out.o[row * dim + d] += p * c.v_scale *
-                                    detail::load_as_float(buffers.v.data(), c.kv_dtype,
-                                                          problem.kv.v_offset(b, kv_head, keys[n]) + d);
+            out.o[row * dim + d] +=
+                p * c.v_scale *
+                detail::load_as_float(buffers.v.data(), c.kv_dtype,
+                                      problem.kv.v_offset(b, kv_head, keys[n]) + d);
           }
         }
         out.lse[row] = top + std::log(sum);
@@ -358,13 +361,15 @@ TEST(MaskReference, IdentitiesWithoutMaskCode) {
     AttentionBuffers zeros = buffers;
     zeros.test_case.causal = true;
     zeros.test_case.window_left = left;
-    const Outputs none = test::run_reference(zeros, test::custom_masks(c, MaskPattern::kAllZeros, rng));
+    const Outputs none =
+        test::run_reference(zeros, test::custom_masks(c, MaskPattern::kAllZeros, rng));
     for (int64_t token = 0; token < c.total_q(); ++token) {
       for (int32_t h = 0; h < c.num_qo_heads; ++h) {
         for (int32_t d = 0; d < c.head_dim; ++d) {
-          ASSERT_EQ(detail::load_as_float(none.o.data(), c.q_dtype,
-                                          token * zeros.o_stride_token + h * zeros.o_stride_head + d),
-                    0.0);
+          ASSERT_EQ(
+              detail::load_as_float(none.o.data(), c.q_dtype,
+                                    token * zeros.o_stride_token + h * zeros.o_stride_head + d),
+              0.0);
         }
         if (!c.with_lse) continue;
         float lse;
@@ -498,7 +503,8 @@ TEST(Masks, MaskedKeysAreNeverRead) {
             float* k = reinterpret_cast<float*>(hidden.k.data()) + problem.kv.k_offset(b, h, j);
             float* v = reinterpret_cast<float*>(hidden.v.data()) + problem.kv.v_offset(b, h, j);
             if (hide) k[d] = v[d] = nan;
-            if (poison_v) reinterpret_cast<float*>(partly.v.data())[problem.kv.v_offset(b, h, j) + d] = nan;
+            if (poison_v)
+              reinterpret_cast<float*>(partly.v.data())[problem.kv.v_offset(b, h, j) + d] = nan;
           }
         }
       }
@@ -506,8 +512,8 @@ TEST(Masks, MaskedKeysAreNeverRead) {
     check_all_paths(hidden, masks, expected, "hidden keys NaN, " + c.describe());
     // Partly seen keys with NaN V: NaN exactly where the reference has it.
     const Outputs nan_expected = test::run_reference(partly, masks);
-    for (detail::CpuIsa isa : {detail::CpuIsa::kGeneric, detail::CpuIsa::kAvx2,
-                               detail::CpuIsa::kAvx512}) {
+    for (detail::CpuIsa isa :
+         {detail::CpuIsa::kGeneric, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512}) {
       if (!detail::cpu_supports(isa)) continue;
       const Outputs actual = run_fast(partly, &masks, {}, isa);
       for (size_t e = 0; e < actual.o.size() / 4; ++e) {
@@ -535,12 +541,15 @@ class MaskValidation : public test::ValidationTest {
   std::vector<int32_t> wide_offsets = std::vector<int32_t>(3, 0);
   std::vector<uint8_t> tree_bytes = std::vector<uint8_t>(8, 0xff);
 
-  TensorView custom(int64_t bytes = 3) { return make_view(mask_bytes.data(), DType::kUInt8, {bytes}); }
+  TensorView custom(int64_t bytes = 3) {
+    return make_view(mask_bytes.data(), DType::kUInt8, {bytes});
+  }
   TensorView indptr() { return make_view(offsets.data(), DType::kInt32, {3}); }
   TensorView tree(int64_t rows = 2, int64_t bytes = 1) {
     return make_view(tree_bytes.data(), DType::kUInt8, {rows, bytes});
   }
-  static RunOptions with(TensorView custom_mask, TensorView mask_indptr, TensorView tree_mask = {}) {
+  static RunOptions with(TensorView custom_mask, TensorView mask_indptr,
+                         TensorView tree_mask = {}) {
     RunOptions options;
     options.custom_mask = custom_mask;
     options.mask_indptr = mask_indptr;
@@ -550,18 +559,30 @@ class MaskValidation : public test::ValidationTest {
   // Every prefill entry point with `options` rejected naming `field`.
   void expect_prefill_rejected(const RunOptions& options, const std::string& field,
                                Error::Kind kind = Error::Kind::kInvalidArgument) {
-    expect_rejected([&] { run_ragged_prefill(ragged_plan, q, k, v, qo_indptr, kv_indptr, o, lse,
-                                             workspace, nullptr, options); }, kind, field);
-    expect_rejected([&] { run_paged_prefill(paged_plan, q, cache, qo_indptr, o, lse, workspace,
-                                            nullptr, options); }, kind, field);
-    expect_rejected([&] { ragged_prefill(q, k, v, qo_indptr, kv_indptr, o, lse, {}, nullptr,
-                                         options); }, kind, field);
-    expect_rejected([&] { paged_prefill(q, cache, qo_indptr, o, lse, {}, nullptr, options); },
-                    kind, field);
+    expect_rejected(
+        [&] {
+          run_ragged_prefill(ragged_plan, q, k, v, qo_indptr, kv_indptr, o, lse, workspace, nullptr,
+                             options);
+        },
+        kind, field);
+    expect_rejected(
+        [&] {
+          run_paged_prefill(paged_plan, q, cache, qo_indptr, o, lse, workspace, nullptr, options);
+        },
+        kind, field);
+    expect_rejected(
+        [&] { ragged_prefill(q, k, v, qo_indptr, kv_indptr, o, lse, {}, nullptr, options); }, kind,
+        field);
+    expect_rejected([&] { paged_prefill(q, cache, qo_indptr, o, lse, {}, nullptr, options); }, kind,
+                    field);
   }
   void expect_decode_rejected(const RunOptions& options, const std::string& field) {
-    expect_invalid([&] { run_decode(decode_plan, q_decode, cache, o_decode, lse_decode, workspace,
-                                    nullptr, options); }, field);
+    expect_invalid(
+        [&] {
+          run_decode(decode_plan, q_decode, cache, o_decode, lse_decode, workspace, nullptr,
+                     options);
+        },
+        field);
     expect_invalid([&] { decode(q_decode, cache, o_decode, lse_decode, {}, nullptr, options); },
                    field);
   }
@@ -570,16 +591,18 @@ class MaskValidation : public test::ValidationTest {
 TEST_F(MaskValidation, CustomMaskErrorsNameTheField) {
   const std::string mask = "run_options.custom_mask", ind = "run_options.mask_indptr";
   std::vector<int32_t> int_bytes(8, 0);
-  expect_prefill_rejected(with(custom(), {}), ind);        // mask without offsets
-  expect_prefill_rejected(with({}, indptr()), mask);       // offsets without mask
+  expect_prefill_rejected(with(custom(), {}), ind);   // mask without offsets
+  expect_prefill_rejected(with({}, indptr()), mask);  // offsets without mask
   expect_prefill_rejected(with(make_view(int_bytes.data(), DType::kInt32, {3}), indptr()), mask);
   expect_prefill_rejected(with(make_view(mask_bytes.data(), DType::kUInt8, {1, 3}), indptr()),
-                          mask);                           // 2-D
+                          mask);  // 2-D
   expect_prefill_rejected(with(make_view(mask_bytes.data(), DType::kUInt8, {3}, {2}), indptr()),
-                          mask);                           // strided
+                          mask);  // strided
   expect_prefill_rejected(with(make_view(nullptr, DType::kUInt8, {3}), indptr()), mask);
-  expect_prefill_rejected(with(make_view(mask_bytes.data(), DType::kUInt8, {3},
-                                         Device{DeviceType::kCUDA, 0}), indptr()), mask);
+  expect_prefill_rejected(
+      with(make_view(mask_bytes.data(), DType::kUInt8, {3}, Device{DeviceType::kCUDA, 0}),
+           indptr()),
+      mask);
   expect_prefill_rejected(with(custom(), make_view(offsets.data(), DType::kInt32, {2})), ind);
   expect_prefill_rejected(with(custom(), make_view(int_bytes.data(), DType::kInt64, {3})), ind);
   for (const std::vector<int32_t>& bad : {std::vector<int32_t>{-1, 2, 3},  // negative start
@@ -608,10 +631,12 @@ TEST_F(MaskValidation, TreeMaskErrorsNameTheField) {
   expect_decode_rejected(with({}, {}, tree(3, 1)), field);  // batch 2
   expect_decode_rejected(with({}, {}, tree(2, 0)), field);  // < ceil(1 / 8) = 1 byte
   expect_decode_rejected(with({}, {}, make_view(tree_bytes.data(), DType::kUInt8, {2, 2}, {2, 2})),
-                         field);                            // strided bytes
+                         field);  // strided bytes
   expect_decode_rejected(with({}, {}, make_view(nullptr, DType::kUInt8, {2, 1})), field);
-  expect_decode_rejected(with({}, {}, make_view(tree_bytes.data(), DType::kUInt8, {2, 1},
-                                                Device{DeviceType::kCUDA, 0})), field);
+  expect_decode_rejected(
+      with({}, {},
+           make_view(tree_bytes.data(), DType::kUInt8, {2, 1}, Device{DeviceType::kCUDA, 0})),
+      field);
   // Prefill takes no tree mask.
   expect_prefill_rejected(with({}, {}, tree()), field);
   // A row stride of 0 (one tree for the batch) is fine.
@@ -632,12 +657,12 @@ TEST_F(MaskValidation, CudaPlansRejectMasksAsUnsupported) {
   std::vector<uint16_t> half_kv(test::kTotalKv * test::kKvHeads * test::kHeadDim, 0);
   Plan plan = ragged_plan;
   plan.device = gpu;
-  const TensorView q16 = on_gpu(make_view(half_q.data(), DType::kFloat16,
-                                          {test::kTotalQ, test::kQoHeads, test::kHeadDim}));
-  const TensorView o16 = on_gpu(make_view(out.o.data(), DType::kFloat16,
-                                          {test::kTotalQ, test::kQoHeads, test::kHeadDim}));
-  const TensorView kv16 = on_gpu(make_view(half_kv.data(), DType::kFloat16,
-                                           {test::kTotalKv, test::kKvHeads, test::kHeadDim}));
+  const TensorView q16 = on_gpu(
+      make_view(half_q.data(), DType::kFloat16, {test::kTotalQ, test::kQoHeads, test::kHeadDim}));
+  const TensorView o16 = on_gpu(
+      make_view(out.o.data(), DType::kFloat16, {test::kTotalQ, test::kQoHeads, test::kHeadDim}));
+  const TensorView kv16 = on_gpu(
+      make_view(half_kv.data(), DType::kFloat16, {test::kTotalKv, test::kKvHeads, test::kHeadDim}));
   expect_rejected(
       [&] {
         run_ragged_prefill(plan, q16, kv16, kv16, on_gpu(qo_indptr), on_gpu(kv_indptr), o16, {},
@@ -646,16 +671,16 @@ TEST_F(MaskValidation, CudaPlansRejectMasksAsUnsupported) {
       Error::Kind::kUnsupported, "run_options.custom_mask");
   Plan decode_gpu = decode_plan;
   decode_gpu.device = gpu;
-  const TensorView qd16 = on_gpu(make_view(half_q.data(), DType::kFloat16,
-                                           {2, test::kQoHeads, test::kHeadDim}));
-  const TensorView od16 = on_gpu(make_view(out.o_decode.data(), DType::kFloat16,
-                                           {2, test::kQoHeads, test::kHeadDim}));
-  std::vector<uint16_t> half_cache(test::kNumPages * test::kPageSize * test::kKvHeads *
-                                   test::kHeadDim, 0);
+  const TensorView qd16 =
+      on_gpu(make_view(half_q.data(), DType::kFloat16, {2, test::kQoHeads, test::kHeadDim}));
+  const TensorView od16 =
+      on_gpu(make_view(out.o_decode.data(), DType::kFloat16, {2, test::kQoHeads, test::kHeadDim}));
+  std::vector<uint16_t> half_cache(
+      test::kNumPages * test::kPageSize * test::kKvHeads * test::kHeadDim, 0);
   PagedKVCache gpu_cache = cache;
-  gpu_cache.k_cache = gpu_cache.v_cache = on_gpu(make_view(
-      half_cache.data(), DType::kFloat16,
-      {test::kNumPages, test::kPageSize, test::kKvHeads, test::kHeadDim}));
+  gpu_cache.k_cache = gpu_cache.v_cache =
+      on_gpu(make_view(half_cache.data(), DType::kFloat16,
+                       {test::kNumPages, test::kPageSize, test::kKvHeads, test::kHeadDim}));
   gpu_cache.page_indptr = on_gpu(cache.page_indptr);
   gpu_cache.page_indices = on_gpu(cache.page_indices);
   gpu_cache.last_page_len = on_gpu(cache.last_page_len);
@@ -670,8 +695,8 @@ TEST_F(MaskValidation, CudaPlansRejectMasksAsUnsupported) {
 TEST_F(MaskValidation, CascadeTakesNoMask) {
   const std::vector<CascadeLevelLengths> lengths = {
       {qo_indptr_values, page_indptr_values, last_page_len_values}};
-  const CascadePlan plan = plan_cascade(lengths, test::kPageSize, test::kQoHeads, test::kKvHeads,
-                                        test::kHeadDim, {});
+  const CascadePlan plan =
+      plan_cascade(lengths, test::kPageSize, test::kQoHeads, test::kKvHeads, test::kHeadDim, {});
   std::vector<unsigned char> space(std::max<size_t>(plan.workspace_bytes, 1));
   const CascadeLevel level{qo_indptr, cache.page_indptr, cache.page_indices, cache.last_page_len};
   for (const auto& [options, field] :
@@ -708,8 +733,8 @@ TEST(Masks, OneShotCallsMatchPlanAndRun) {
     };
     const TensorView qv = view3(p.q, c.q_dtype, rows, c.num_qo_heads);
     const TensorView ov = view3(p.o, c.q_dtype, rows, c.num_qo_heads);
-    const TensorView lv = c.with_lse ? make_view(p.lse, DType::kFloat32, {rows, c.num_qo_heads})
-                                     : TensorView{};
+    const TensorView lv =
+        c.with_lse ? make_view(p.lse, DType::kFloat32, {rows, c.num_qo_heads}) : TensorView{};
     const TensorView qo = make_view(buffers.qo_indptr.data(), DType::kInt32,
                                     {static_cast<int64_t>(buffers.qo_indptr.size())});
     AttentionOptions options = test::options_of(c);

@@ -2,10 +2,11 @@
 // definition in include/tessera/attention.hpp, their bits in core/masks.hpp): the shared half of
 // run_ragged_prefill, run_paged_prefill and run_decode (and so of the one-shot calls and the
 // C ABI), called after the plan's other tensors were checked and before anything is written.
+#include "core/masks.hpp"
+
 #include <string>
 
 #include "core/attention_run.hpp"
-#include "core/masks.hpp"
 
 namespace tessera::detail {
 namespace {
@@ -14,7 +15,9 @@ constexpr const char* kCustomMask = "run_options.custom_mask";
 constexpr const char* kMaskIndptr = "run_options.mask_indptr";
 constexpr const char* kTreeMask = "run_options.tree_mask";
 
-int64_t bytes_for_bits(int64_t bits) { return (bits + 7) / 8; }
+int64_t bytes_for_bits(int64_t bits) {
+  return (bits + 7) / 8;
+}
 
 // custom_mask + mask_indptr of a prefill plan on the CPU.
 void set_custom_mask(const ArgChecker& check, const Plan& plan, const RunOptions& run_options,
@@ -42,18 +45,18 @@ void set_custom_mask(const ArgChecker& check, const Plan& plan, const RunOptions
     if (bytes < 0) {
       check.fail(kMaskIndptr, "expected non-decreasing values, got mask_indptr[" +
                                   std::to_string(r) + "] = " + std::to_string(offsets[r]) +
-                                  " > mask_indptr[" + std::to_string(r + 1) + "] = " +
-                                  std::to_string(offsets[r + 1]));
+                                  " > mask_indptr[" + std::to_string(r + 1) +
+                                  "] = " + std::to_string(offsets[r + 1]));
     }
     const int64_t needed = bytes_for_bits(int64_t{plan.q_lens[r]} * plan.kv_lens[r]);
     if (bytes < needed) {
-      check.fail(kMaskIndptr, "request " + std::to_string(r) + " (q_len " +
-                                  std::to_string(plan.q_lens[r]) + ", kv_len " +
-                                  std::to_string(plan.kv_lens[r]) + ") needs ceil(q_len x kv_len "
-                                  "/ 8) = " + std::to_string(needed) + " bytes of mask, got " +
-                                  std::to_string(bytes) + " (mask_indptr[" +
-                                  std::to_string(r + 1) + "] - mask_indptr[" + std::to_string(r) +
-                                  "])");
+      const std::string lengths = "(q_len " + std::to_string(plan.q_lens[r]) + ", kv_len " +
+                                  std::to_string(plan.kv_lens[r]) + ")";
+      check.fail(kMaskIndptr, "request " + std::to_string(r) + " " + lengths +
+                                  " needs ceil(q_len x kv_len / 8) = " + std::to_string(needed) +
+                                  " bytes of mask, got mask_indptr[" + std::to_string(r + 1) +
+                                  "] - mask_indptr[" + std::to_string(r) +
+                                  "] = " + std::to_string(bytes));
     }
   }
   check.require(offsets[plan.batch_size] <= length, kMaskIndptr, [&] {
@@ -101,7 +104,7 @@ void set_key_mask(const ArgChecker& check, const Plan& plan, const RunOptions& r
                "tree masks apply to decode (q_per_request draft tokens per request); prefill "
                "takes run_options.custom_mask with run_options.mask_indptr");
   }
-  const char* field = tree ? kTreeMask
+  const char* field = tree                                 ? kTreeMask
                       : has_value(run_options.custom_mask) ? kCustomMask
                                                            : kMaskIndptr;
   if (plan.device.type != DeviceType::kCPU) {

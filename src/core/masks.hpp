@@ -61,7 +61,7 @@ struct KeyMask {
   // `request` (q_len rows, kv_len keys) may see through the mask: bit t for key key0 + t. All
   // ones without a mask.
   TESSERA_MASK_FN uint64_t row_bits(int32_t request, int32_t i, int32_t key0, int32_t count,
-                               int32_t q_len, int32_t kv_len) const {
+                                    int32_t q_len, int32_t kv_len) const {
     if (custom != nullptr) {
       const int64_t bit = int64_t{custom_indptr[request]} * 8 + int64_t{i} * kv_len + key0;
       return load_bits(custom, bit, count);
@@ -80,7 +80,7 @@ struct KeyMask {
   }
 
   TESSERA_MASK_FN bool visible(int32_t request, int32_t i, int32_t j, int32_t q_len,
-                          int32_t kv_len) const {
+                               int32_t kv_len) const {
     return (row_bits(request, i, j, 1, q_len, kv_len) & 1) != 0;
   }
 };

@@ -21,13 +21,10 @@ namespace tessera::detail {
 // The keys of tile [key0, key0 + keys) (keys <= 64) that each token t of `item` sees, range
 // [first_key[t], last_key[t]) and mask together, as bits (bit j: key key0 + j) in words[t];
 // *any: some token sees one, *all: every token sees all of them.
-[[gnu::always_inline]] inline void tile_mask_words(const AttentionProblem& problem,
-                                                   const WorkItem& item, int32_t tokens,
-                                                   int32_t request_q_len, int32_t kv_len,
-                                                   int32_t key0, int32_t keys,
-                                                   const int32_t* first_key,
-                                                   const int32_t* last_key, uint64_t* words,
-                                                   bool* any, bool* all) {
+[[gnu::always_inline]] inline void tile_mask_words(
+    const AttentionProblem& problem, const WorkItem& item, int32_t tokens, int32_t request_q_len,
+    int32_t kv_len, int32_t key0, int32_t keys, const int32_t* first_key, const int32_t* last_key,
+    uint64_t* words, bool* any, bool* all) {
   const uint64_t full = bit_range(0, keys);
   *any = false;
   *all = true;
@@ -36,8 +33,8 @@ namespace tessera::detail {
     const int32_t hi = std::clamp(last_key[t] - key0, lo, keys);
     uint64_t word = bit_range(lo, hi);
     if (word != 0) {
-      word &= problem.key_mask.row_bits(item.request, item.q_start + t, key0, keys,
-                                        request_q_len, kv_len);
+      word &= problem.key_mask.row_bits(item.request, item.q_start + t, key0, keys, request_q_len,
+                                        kv_len);
     }
     words[t] = word;
     *any = *any || word != 0;

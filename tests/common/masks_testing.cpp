@@ -10,7 +10,9 @@ namespace {
 int32_t uniform_int(std::mt19937_64& rng, int32_t lo, int32_t hi) {  // inclusive
   return std::uniform_int_distribution<int32_t>(lo, hi)(rng);
 }
-bool chance(std::mt19937_64& rng, double p) { return std::bernoulli_distribution(p)(rng); }
+bool chance(std::mt19937_64& rng, double p) {
+  return std::bernoulli_distribution(p)(rng);
+}
 
 void append_garbage(std::vector<uint8_t>* bytes, int64_t count, std::mt19937_64& rng) {
   for (int64_t i = 0; i < count; ++i) bytes->push_back(static_cast<uint8_t>(rng()));
@@ -74,9 +76,9 @@ detail::KeyMask CaseMasks::key_mask() const {
 RunOptions CaseMasks::run_options() const {
   RunOptions options;
   if (tree) {
-    options.tree_mask = make_view(const_cast<uint8_t*>(tree_bytes.data()), DType::kUInt8,
-                                  {static_cast<int64_t>(sees.size()), tree_row_bytes},
-                                  {tree_stride, 1});
+    options.tree_mask =
+        make_view(const_cast<uint8_t*>(tree_bytes.data()), DType::kUInt8,
+                  {static_cast<int64_t>(sees.size()), tree_row_bytes}, {tree_stride, 1});
   } else {
     options.custom_mask = make_view(const_cast<uint8_t*>(custom.data()), DType::kUInt8,
                                     {static_cast<int64_t>(custom.size())});

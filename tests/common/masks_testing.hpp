@@ -45,11 +45,11 @@ struct CaseMasks {
   // The truth, per request: q_len x kv_len (custom) or q_per_request x q_per_request over the
   // drafts (tree), row-major, 1 = visible.
   std::vector<std::vector<uint8_t>> sees;
-  std::vector<uint8_t> custom;       // custom_mask bytes
-  std::vector<int32_t> indptr;       // mask_indptr
-  std::vector<uint8_t> tree_bytes;   // batch x tree_stride bytes (at least 1)
-  int64_t tree_row_bytes = 0;        // the view's second dim: >= ceil(q^2 / 8)
-  int64_t tree_stride = 0;           // >= tree_row_bytes
+  std::vector<uint8_t> custom;      // custom_mask bytes
+  std::vector<int32_t> indptr;      // mask_indptr
+  std::vector<uint8_t> tree_bytes;  // batch x tree_stride bytes (at least 1)
+  int64_t tree_row_bytes = 0;       // the view's second dim: >= ceil(q^2 / 8)
+  int64_t tree_stride = 0;          // >= tree_row_bytes
   int32_t q_per_request = 0;
 
   // The definition (attention.hpp), from the truth: may row i of `request` see key j through
