@@ -346,7 +346,8 @@ TESSERA_API tessera_status tessera_merge_states(const DLTensor* states, const DL
  * table into the one k_cache / v_cache; a row attends in one softmax to its group's keys at every
  * level: all of them at the upper levels (shared prefixes, no mask), and at the last level as
  * paged prefill with `options` (causal aligned bottom-right to that level's keys). Sliding
- * windows are rejected. Sinks (run_options) join the softmax once. 1..16 levels. */
+ * windows are rejected. Sinks (run_options) join the softmax once; masks in run_options are
+ * rejected. 1..16 levels. */
 
 typedef struct tessera_cascade_plan tessera_cascade_plan;
 
