@@ -28,7 +28,7 @@ constexpr int64_t kMaxBytes = int64_t{1} << 22;
   std::abort();
 }
 
-enum ElemKind { kF32, kF16, kBF16, kE4M3, kE5M2, kI32, kI64 };
+enum ElemKind { kF32, kF16, kBF16, kE4M3, kE5M2, kI32, kI64, kU8 };
 
 DLDataType dl_type(ElemKind kind) {
   switch (kind) {
@@ -39,6 +39,7 @@ DLDataType dl_type(ElemKind kind) {
     case kE5M2: return {TESSERA_DL_FLOAT8_E5M2, 8, 1};
     case kI32: return {kDLInt, 32, 1};
     case kI64: return {kDLInt, 64, 1};
+    case kU8: return {kDLUInt, 8, 1};  // bit-packed masks
   }
   return {kDLFloat, 32, 1};
 }
@@ -118,7 +119,7 @@ struct Arena {
     switch (fdp->ConsumeIntegralInRange<int>(0, 13)) {
       case 0: add_unless_overflow(x->shape[d], fdp->ConsumeIntegralInRange<int>(-2, 2)); break;
       case 1: x->strides[d] = fdp->ConsumeIntegralInRange<int>(-1, 3); x->explicit_strides = true; break;
-      case 2: x->t.dtype = dl_type(static_cast<ElemKind>(fdp->ConsumeIntegralInRange<int>(0, 6))); break;
+      case 2: x->t.dtype = dl_type(static_cast<ElemKind>(fdp->ConsumeIntegralInRange<int>(0, 7))); break;
       case 3: x->t.dtype.lanes = 2; break;
       case 4: x->t.device = {static_cast<DLDeviceType>(fdp->ConsumeIntegralInRange<int>(1, 16)), 0}; break;
       case 5: x->null_descriptor = true; break;

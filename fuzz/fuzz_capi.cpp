@@ -1,8 +1,8 @@
 // libFuzzer target for the C ABI (include/tessera/tessera.h) on CPU tensors.
 //
 // The input decodes into one call: an attention op (plan + run, or one-shot; ragged, paged,
-// decode; through the plain calls or the *_v2 ones with fuzzed run options: sinks, PDL,
-// struct_size), a multi-level cascade (plan + run) or an aux op (RoPE, paged-KV append, block_table -> CSR, merge_state(s)), with random
+// decode; through the plain calls or the *_v2 ones with fuzzed run options: sinks, PDL, custom
+// and tree masks, struct_size), a multi-level cascade (plan + run) or an aux op (RoPE, paged-KV append, block_table -> CSR, merge_state(s)), with random
 // shapes, dtypes, strides, index arrays, page tables and options. Arguments start out mostly
 // valid (so kernels run on random shapes) and then get a few random mutations (dims, strides,
 // dtypes, devices, NULLs, index contents). Every tensor lives in its own heap block with guard
@@ -73,6 +73,31 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
       run_options.struct_size = fdp.ConsumeIntegralInRange<size_t>(0, sizeof run_options);
     }
   }
+  // Masks (the v2 calls): a custom mask + mask_indptr for prefill or a tree mask for decode,
+  // sometimes for the other op (rejected), sized right or a byte off, with random bits; the
+  // mutations below may hit them too.
+  Tensor *custom_mask = nullptr, *mask_indptr = nullptr, *tree_mask = nullptr;
+  if (v2 && fdp.ConsumeBool()) {
+    const bool tree = (op == 2) != (fdp.ConsumeIntegralInRange<int>(0, 7) == 0);
+    if (tree) {
+      const int64_t bytes = (q_per_request * q_per_request + 7) / 8 + small(fdp, -1, 2);
+      const int64_t rows = fdp.ConsumeIntegralInRange<int>(0, 7) == 0 ? small(fdp, 0, 5) : batch;
+      tree_mask = arena.make(kU8, {rows, bytes}, false, small(fdp, 0, 2), 0);
+    } else {
+      std::vector<int32_t> segments;
+      for (int b = 0; b < batch; ++b) {
+        segments.push_back((q_lens[b] * kv_lens[b] + 7) / 8 + small(fdp, 0, 1) -
+                           (fdp.ConsumeIntegralInRange<int>(0, 15) == 0 ? 1 : 0));
+      }
+      std::vector<int32_t> offsets = indptr_of(segments);
+      const int32_t first = small(fdp, 0, 2);
+      for (int32_t& offset : offsets) offset += first;
+      if (fdp.ConsumeIntegralInRange<int>(0, 7) != 0) {
+        custom_mask = arena.make(kU8, {offsets.back() + small(fdp, -1, 2)}, false);
+      }
+      if (fdp.ConsumeIntegralInRange<int>(0, 7) != 0) mask_indptr = arena.ints(offsets);
+    }
+  }
   Tensor *k = nullptr, *v = nullptr, *qo = nullptr, *kvp = nullptr;
   Paged paged{};
   if (op == 0) {
@@ -132,6 +157,9 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
   void* ws = workspace.tensor ? workspace.data() : nullptr;
   const bool null_kv = fdp.ConsumeIntegralInRange<int>(0, 31) == 0;
   run_options.sinks = sinks != nullptr ? sinks->get() : nullptr;
+  run_options.custom_mask = custom_mask != nullptr ? custom_mask->get() : nullptr;
+  run_options.mask_indptr = mask_indptr != nullptr ? mask_indptr->get() : nullptr;
+  run_options.tree_mask = tree_mask != nullptr ? tree_mask->get() : nullptr;
   const tessera_run_options* ro =
       v2 && fdp.ConsumeIntegralInRange<int>(0, 15) != 0 ? &run_options : nullptr;
   if (v2 && one_shot) {

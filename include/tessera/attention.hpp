@@ -15,6 +15,9 @@
 //  * Causal masks are aligned bottom-right: query i of a request with q_len queries and kv_len
 //    keys sees key j iff j <= i + kv_len - q_len. A sliding window (left, right) further limits
 //    keys to [i + off - left, i + off + right] with off = kv_len - q_len; -1 = unbounded.
+//  * Custom masks (prefill) and tree masks (speculative decoding), RunOptions::custom_mask /
+//    tree_mask: per-call bit masks that further limit the keys a row sees (AND with the causal
+//    and window masks). See RunOptions. CPU backend only for now.
 //  * Soft-cap: s = cap * tanh(s / cap) applied to the scaled logits (cap = 0: off).
 //  * o has q's dtype; lse (optional) is float32 [total_q, num_qo_heads], natural log.
 //  * A query row that sees no key gives o = 0 and lse = -inf, never NaN.
@@ -291,6 +294,42 @@ void forget_uploads(const void* workspace);
 //    is captured into a CUDA graph: a graph captured with sinks reads that buffer at every
 //    replay (write new values into it, never pass another one), and one captured without sinks
 //    never folds any.
+//  * custom_mask + mask_indptr: an optional custom mask for prefill (ragged and paged; FlashInfer's
+//    packed_custom_mask and mask_indptr). custom_mask: uint8 [bytes], 1-D, contiguous, a bit
+//    string packed little-endian (bit b is bit b % 8 of byte b / 8: numpy.packbits(...,
+//    bitorder="little"), tessera.packbits / segment_packbits in Python). mask_indptr: int32
+//    [batch_size + 1], contiguous: request r's bits start at byte mask_indptr[r], and bit
+//    (i * kv_len_r + j) of them is 1 when query row i of r (0-based within the request) may see
+//    key j (0-based within the request's keys). mask_indptr must be non-decreasing from a first
+//    value >= 0, give each request at least ceil(q_len_r * kv_len_r / 8) bytes
+//    (mask_indptr[r+1] - mask_indptr[r]) and end within custom_mask (mask_indptr[batch_size] <=
+//    its length); bits past q_len_r * kv_len_r in a segment are ignored. The mask ANDs with the
+//    plan's causal and window masks (a key is seen only where both allow it), and combines with
+//    soft-cap, GQA (every query head of a row shares its bits), split-KV and sinks (a row that
+//    the mask leaves without keys gives o = 0 and lse = -inf, or lse = z_h with a sink, which
+//    still joins every row's denominator). Both or neither must be given; decode rejects them
+//    (use tree_mask).
+//  * tree_mask: an optional tree mask for decode with q_per_request query rows per request
+//    (speculative decoding: each request's draft tokens form a tree). uint8 [batch_size,
+//    bytes_per_request] with bytes_per_request >= ceil(q_per_request^2 / 8) and a contiguous last
+//    dim (any row stride, 0 included: one tree for every request); row r is a bit string packed
+//    little-endian as above. The draft keys of request r are its last q_per_request keys (draft
+//    d is key kv_len_r - q_per_request + d: the keys of the draft tokens themselves, appended to
+//    the cache before the call); the keys before them are its prefix. Draft token i (query row
+//    i of r, 0-based) sees every prefix key and draft key d iff bit (i * q_per_request + d) of
+//    row r is set (set bit i * q_per_request + i for a token to see itself). The tree takes the
+//    place of the causal relation among the drafts: plan the decode with causal = false and the
+//    tree alone decides which drafts each draft sees. Like custom_mask it ANDs with the plan's
+//    masks, so a causal plan keeps only the tree's bits at or below the diagonal (a draft sees
+//    no later draft: the topological order of the usual draft trees, where that changes
+//    nothing), and a window still cuts old prefix keys. A chain (bit (i, d) for d <= i) is plain
+//    causal decode. Prefill rejects it (use custom_mask).
+//  Mask tensors are read on the host while the call runs; for now only CPU plans take them (a
+//  CUDA plan throws Error(kUnsupported) naming the field before anything runs). Every mask
+//  check happens before anything is written: an error names the field
+//  ('run_options.custom_mask', 'run_options.mask_indptr', 'run_options.tree_mask') and what was
+//  expected. Checked mode still scans the keys of each row's causal / window range (a mask
+//  narrows what a row attends to, not what is scanned).
 //  * enable_pdl: programmatic dependent launch (FlashInfer's enable_pdl; sm_90+ CUDA only,
 //    ignored elsewhere). The attention kernel may start while the previous kernel in the stream
 //    is still running (its launch and set-up overlap that kernel's tail) and waits for it
@@ -299,6 +338,10 @@ void forget_uploads(const void* workspace);
 struct RunOptions {
   TensorView sinks;
   bool enable_pdl = false;
+  // Initialised here so that RunOptions{sinks} stays warning-free (-Wmissing-field-initializers).
+  TensorView custom_mask = {};  // prefill: uint8 bit-packed, with mask_indptr
+  TensorView mask_indptr = {};  // int32 [batch_size + 1]: byte offset of each request's bits
+  TensorView tree_mask = {};    // decode: uint8 [batch_size, >= ceil(q_per_request^2 / 8)]
 };
 
 // ---- run (never allocates, never synchronises the host on GPU) ----

@@ -18,7 +18,9 @@
 // once for the group instead of once per request. Sliding windows are rejected (a window over
 // the concatenated keys is not a per-level mask). Soft-cap, sm_scale, fp8 k_scale / v_scale and
 // GQA apply at every level; attention sinks (RunOptions::sinks) join the softmax once (folded
-// into the last level's state). The non-finite definition of attention.hpp holds per row: a
+// into the last level's state). Custom and tree masks (RunOptions::custom_mask / tree_mask)
+// are rejected, naming the field: they index a request's own keys, which the levels split. The
+// non-finite definition of attention.hpp holds per row: a
 // row that sees no key at any level gives o = 0 and lse = -inf (the sink's z with a sink).
 //
 // A level whose requests all hold exactly one query row (decode steps) runs the decode kernels;

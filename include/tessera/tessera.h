@@ -15,8 +15,9 @@
  * optional lse [total_q, num_qo_heads] float32 (natural log).
  *
  * DLTensor conventions:
- *  - dtype: kDLFloat 32/16, kDLBfloat 16, kDLInt 32/64, lanes == 1, and for an fp8 KV cache the
- *    DLPack 1.x codes TESSERA_DL_FLOAT8_E4M3FN / TESSERA_DL_FLOAT8_E5M2 with bits == 8.
+ *  - dtype: kDLFloat 32/16, kDLBfloat 16, kDLInt 32/64, kDLUInt 8 (masks), lanes == 1, and for
+ *    an fp8 KV cache the DLPack 1.x codes TESSERA_DL_FLOAT8_E4M3FN / TESSERA_DL_FLOAT8_E5M2
+ *    with bits == 8.
  *  - device: kDLCPU (and kDLCUDAHost, which is host memory) or kDLCUDA with its device_id;
  *    other device types (kDLCUDAManaged included) are rejected.
  *  - strides: in elements; NULL means contiguous (row-major). byte_offset is honoured.
@@ -253,14 +254,33 @@ TESSERA_API tessera_status tessera_run_decode(const tessera_plan* plan, const DL
  *    like q (the graph reads that buffer at every replay).
  *  - enable_pdl: nonzero for a programmatic dependent launch (sm_90+ CUDA; ignored elsewhere):
  *    the kernel may start while the previous kernel in the stream runs and waits for it before
- *    touching any tensor (include/tessera/attention.hpp, RunOptions). */
+ *    touching any tensor (include/tessera/attention.hpp, RunOptions).
+ *  - custom_mask + mask_indptr (prefill: ragged and paged; NULL: none): FlashInfer's
+ *    packed_custom_mask and mask_indptr. custom_mask is uint8 (kDLUInt, 8 bits) [bytes], a bit
+ *    string packed little-endian (bit b = bit b % 8 of byte b / 8); mask_indptr int32
+ *    [batch_size + 1], non-decreasing from a value >= 0: request r's bits start at byte
+ *    mask_indptr[r], and bit (i * kv_len_r + j) is 1 when its query row i may see its key j.
+ *    Each request needs ceil(q_len_r * kv_len_r / 8) bytes; mask_indptr[batch_size] <= the
+ *    bytes of custom_mask. ANDs with the causal / window masks; combines with sinks.
+ *  - tree_mask (decode; NULL: none): uint8 [batch_size, >= ceil(q_per_request^2 / 8)], one
+ *    little-endian bit string per request: draft token i sees every key before the request's
+ *    last q_per_request keys (the drafts' own keys) and draft key d iff bit
+ *    (i * q_per_request + d) is set. ANDs with the plan's masks (plan causal = 0 and the tree
+ *    alone decides among the drafts).
+ *    Masks are host memory read during the call: CPU plans only for now (a CUDA plan returns
+ *    TESSERA_ERROR_UNSUPPORTED naming the field); a custom mask on decode or a tree mask on
+ *    prefill is TESSERA_ERROR_INVALID_ARGUMENT. Added after enable_pdl: a caller whose
+ *    struct_size stops before them passes none. */
 typedef struct tessera_run_options {
   size_t struct_size;
   const DLTensor* sinks;
   int32_t enable_pdl;
+  const DLTensor* custom_mask;
+  const DLTensor* mask_indptr;
+  const DLTensor* tree_mask;
 } tessera_run_options;
 
-/* Fills the defaults: struct_size = sizeof(tessera_run_options), no sinks, no PDL. */
+/* Fills the defaults: struct_size = sizeof(tessera_run_options), no sinks, no PDL, no masks. */
 TESSERA_API void tessera_run_options_default(tessera_run_options* run_options);
 
 /* The run calls above with per-call options (the versions without _v2 are these with NULL). */
@@ -363,7 +383,8 @@ TESSERA_API tessera_status tessera_merge_states(const DLTensor* states, const DL
  * table into the one k_cache / v_cache; a row attends in one softmax to its group's keys at every
  * level: all of them at the upper levels (shared prefixes, no mask), and at the last level as
  * paged prefill with `options` (causal aligned bottom-right to that level's keys). Sliding
- * windows are rejected. Sinks (run_options) join the softmax once. 1..16 levels. */
+ * windows are rejected. Sinks (run_options) join the softmax once; masks in run_options are
+ * rejected. 1..16 levels. */
 
 typedef struct tessera_cascade_plan tessera_cascade_plan;
 

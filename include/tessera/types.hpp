@@ -19,6 +19,7 @@ enum class DType : int32_t {
   kFloat8E5M2 = 4,
   kInt32 = 5,
   kInt64 = 6,
+  kUInt8 = 7,  // bytes: bit-packed masks (RunOptions::custom_mask, tree_mask)
 };
 
 const char* dtype_name(DType dtype);

@@ -15,6 +15,10 @@ FlashInfer-style plan/run (serving hot path, CUDA-graph friendly)::
     wrapper.plan(kv_page_indptr, kv_page_indices, kv_last_page_len, 32, 8, 128, page_size)
     o = wrapper.run(q, (k_cache, v_cache))
 
+Masks: the prefill wrappers' ``plan(custom_mask= / packed_custom_mask=)`` (FlashInfer's custom
+masks) and the decode wrapper's ``plan(tree_mask=)`` (speculative decoding with a tree of
+drafts), CPU only for now; :func:`packbits` and :func:`segment_packbits` pack boolean masks.
+
 Ops: :func:`append_paged_kv_cache`, :func:`apply_rope_inplace` (and the FlashInfer family
 ``apply_rope_pos_ids_inplace``, ``apply_llama31_rope_inplace``, out-of-place ``apply_rope`` ...),
 :func:`merge_state`, :func:`merge_states`, :func:`block_table_to_csr`.
@@ -34,6 +38,7 @@ from ._capi import library_path as _library_path
 from ._capi import check as _check
 from ._capi import lib as _lib
 from .attention import attention_with_kvcache, paged_attention, varlen_attention
+from ._masks import packbits, segment_packbits
 from .ops import (
     RopeOptions,
     append_paged_kv_cache,
@@ -168,4 +173,6 @@ __all__ = [
     "merge_state",
     "merge_states",
     "block_table_to_csr",
+    "packbits",
+    "segment_packbits",
 ]

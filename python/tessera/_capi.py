@@ -22,7 +22,7 @@ import os
 import re
 import threading
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 # ---------------------------------------------------------------------------------------------
 # DLPack structs (dlpack.h; layout identical in 0.6 .. 1.x for DLTensor)
@@ -146,10 +146,12 @@ class PagedKV(ctypes.Structure):
 
 
 class RunOptions(ctypes.Structure):
-    """``tessera_run_options`` (per-call options of the *_v2 calls: attention sinks, PDL)."""
+    """``tessera_run_options`` (per-call options of the *_v2 calls: attention sinks, PDL, custom
+    and tree masks); the fields in the order of tessera.h."""
 
     _fields_ = [("struct_size", ctypes.c_size_t), ("sinks", _DLTensorP),
-                ("enable_pdl", ctypes.c_int32)]
+                ("enable_pdl", ctypes.c_int32), ("custom_mask", _DLTensorP),
+                ("mask_indptr", _DLTensorP), ("tree_mask", _DLTensorP)]
 
 
 class CascadeLevelLengths(ctypes.Structure):
@@ -168,12 +170,19 @@ class CascadeLevel(ctypes.Structure):
                 ("page_indices", _DLTensorP), ("last_page_len", _DLTensorP)]
 
 
-def run_options(sinks_dl: Optional[DLTensor], enable_pdl: bool = False) -> RunOptions:
+def run_options(sinks_dl: Optional[DLTensor], enable_pdl: bool = False,
+                masks: Any = None) -> RunOptions:
     """A ``tessera_run_options`` whose sinks are ``sinks_dl`` (None: none), with programmatic
-    dependent launch when ``enable_pdl``."""
-    return RunOptions(ctypes.sizeof(RunOptions),
-                      None if sinks_dl is None else ctypes.pointer(sinks_dl),
-                      1 if enable_pdl else 0)
+    dependent launch when ``enable_pdl``, and the descriptors of ``masks`` (an object with
+    ``custom_mask``, ``mask_indptr`` and ``tree_mask`` DLTensor-or-None attributes, kept alive
+    by the caller; None: no masks)."""
+    def pointer(tensor: Optional[DLTensor]) -> Any:
+        return None if tensor is None else ctypes.pointer(tensor)
+
+    return RunOptions(ctypes.sizeof(RunOptions), pointer(sinks_dl), 1 if enable_pdl else 0,
+                      pointer(getattr(masks, "custom_mask", None)),
+                      pointer(getattr(masks, "mask_indptr", None)),
+                      pointer(getattr(masks, "tree_mask", None)))
 
 
 # ---------------------------------------------------------------------------------------------

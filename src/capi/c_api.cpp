@@ -83,6 +83,9 @@ void tessera_run_options_default(tessera_run_options* run_options) {
   run_options->struct_size = sizeof(tessera_run_options);
   run_options->sinks = nullptr;
   run_options->enable_pdl = 0;
+  run_options->custom_mask = nullptr;
+  run_options->mask_indptr = nullptr;
+  run_options->tree_mask = nullptr;
 }
 
 void tessera_plan_options_default(tessera_plan_options* plan_options) {

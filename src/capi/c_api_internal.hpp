@@ -128,6 +128,17 @@ class Converter {
         offsetof(tessera_run_options, enable_pdl) + sizeof(options->enable_pdl)) {
       result.enable_pdl = options->enable_pdl != 0;
     }
+    // The masks came later: a caller whose struct stops before a field never set it.
+    auto covers = [&](size_t offset, size_t size) { return options->struct_size >= offset + size; };
+    if (covers(offsetof(tessera_run_options, custom_mask), sizeof(options->custom_mask))) {
+      result.custom_mask = optional(options->custom_mask, "run_options.custom_mask");
+    }
+    if (covers(offsetof(tessera_run_options, mask_indptr), sizeof(options->mask_indptr))) {
+      result.mask_indptr = optional(options->mask_indptr, "run_options.mask_indptr");
+    }
+    if (covers(offsetof(tessera_run_options, tree_mask), sizeof(options->tree_mask))) {
+      result.tree_mask = optional(options->tree_mask, "run_options.tree_mask");
+    }
     return result;
   }
 
@@ -218,10 +229,11 @@ class Converter {
     if (code == TESSERA_DL_FLOAT8_E5M2 && bits == 8) return DType::kFloat8E5M2;
     if (code == kDLInt && bits == 32) return DType::kInt32;
     if (code == kDLInt && bits == 64) return DType::kInt64;
+    if (code == kDLUInt && bits == 8) return DType::kUInt8;
     fail(arg, "unsupported DLPack dtype (code " + std::to_string(code) + ", bits " +
                   std::to_string(bits) +
-                  "); expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32 "
-                  "or int64");
+                  "); expected float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, int32, "
+                  "int64 or uint8");
   }
 
   Device device_of(DLDevice device, const char* arg) const {

@@ -45,6 +45,11 @@ struct BenchCase {
   // 0, read once for the batch) instead of plain decode over each request's full page list.
   int shared_prefix = 0;
   bool cascade = false;
+  // Prefill with a custom mask (RunOptions::custom_mask; CPU backend only): every request's
+  // (query row, key) plane cut into mask_block x mask_block blocks, each visible with
+  // probability mask_density (0: no mask). FLOPs count the visible pairs only.
+  int mask_block = 0;
+  double mask_density = 0.5;
 
   int q_len_of(int b) const { return b < first_count && first_q_len > 0 ? first_q_len : q_len; }
   int kv_len_of(int b) const {
@@ -112,6 +117,12 @@ struct BenchProblem {
   std::vector<std::vector<int32_t>> level_arrays;  // per level: qo, page indptr, indices, last
   std::vector<Buffer> level_buffers;
   std::vector<CascadeLevel> levels;
+  // Custom-mask cases: the packed bits (host memory, as the CPU backend reads them), each
+  // request's byte offset, their views, and the (row, key) pairs the mask and causal leave.
+  std::vector<uint8_t> mask_bytes;
+  std::vector<int32_t> mask_offsets;
+  TensorView mask_view, mask_indptr_view;
+  double masked_pairs = -1;  // -1: no mask
 
   bool is_paged() const { return spec.op != AttentionOp::kRaggedPrefill; }
 };

@@ -99,6 +99,38 @@ void plan_cascade_levels(BenchProblem& p, const AttentionOptions& options) {
                            options, p.device);
 }
 
+// Custom-mask cases: random blocks of each request's (row, key) plane, packed little-endian
+// per request (core/masks.hpp), and the pairs that the mask and causal leave visible.
+void build_block_mask(BenchProblem& p, uint64_t seed) {
+  const BenchCase& c = p.spec;
+  std::mt19937_64 rng(seed);
+  std::bernoulli_distribution visible(c.mask_density);
+  p.mask_bytes.clear();
+  p.mask_offsets.assign(1, 0);
+  p.masked_pairs = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    const int q_len = c.q_len_of(b), kv_len = c.kv_len_of(b), block = c.mask_block;
+    const int row_blocks = (q_len + block - 1) / block, key_blocks = (kv_len + block - 1) / block;
+    std::vector<uint8_t> on(static_cast<size_t>(row_blocks) * key_blocks);
+    for (uint8_t& x : on) x = visible(rng);
+    const size_t start = p.mask_bytes.size();
+    p.mask_bytes.resize(start + (static_cast<size_t>(q_len) * kv_len + 7) / 8, 0);
+    for (int i = 0; i < q_len; ++i) {
+      for (int j = 0; j < kv_len; ++j) {
+        if (!on[static_cast<size_t>(i / block) * key_blocks + j / block]) continue;
+        const size_t bit = static_cast<size_t>(i) * kv_len + j;
+        p.mask_bytes[start + bit / 8] |= static_cast<uint8_t>(1u << (bit % 8));
+        p.masked_pairs += !c.causal || j <= i + kv_len - q_len;
+      }
+    }
+    p.mask_offsets.push_back(static_cast<int32_t>(p.mask_bytes.size()));
+  }
+  p.mask_view = make_view(p.mask_bytes.data(), DType::kUInt8,
+                          {static_cast<int64_t>(p.mask_bytes.size())});
+  p.mask_indptr_view = make_view(p.mask_offsets.data(), DType::kInt32,
+                                 {static_cast<int64_t>(p.mask_offsets.size())});
+}
+
 }  // namespace
 
 void build_problem(BenchProblem& p, uint64_t seed) {
@@ -181,6 +213,7 @@ void build_problem(BenchProblem& p, uint64_t seed) {
     p.plan = plan_ragged_prefill(p.qo_indptr, p.kv_indptr, c.num_qo_heads, c.num_kv_heads,
                                  c.head_dim, options, p.device);
   }
+  if (c.mask_block > 0) build_block_mask(p, seed + 4);
   p.workspace = Buffer(p.device, c.cascade ? p.cascade.workspace_bytes : p.plan.workspace_bytes);
   // A serving engine plans once per step and runs the plan in every layer: the plan's lists are
   // uploaded here, outside the timed call (TESSERA_BENCH_UPLOAD=0 times run()'s own upload).
@@ -204,6 +237,10 @@ void run_once(BenchProblem& p, void* stream) {
   } checking(p.spec.checked);
   RunOptions run_options;
   run_options.enable_pdl = p.spec.pdl;
+  if (p.spec.mask_block > 0) {
+    run_options.custom_mask = p.mask_view;
+    run_options.mask_indptr = p.mask_indptr_view;
+  }
   if (p.spec.cascade) {
     run_cascade(p.cascade, p.q_view, p.paged.k_cache, p.paged.v_cache, p.paged.layout, p.levels,
                 p.o_view, p.lse_view, workspace, stream, run_options);
@@ -268,6 +305,12 @@ SampledReference sampled_reference(const BenchProblem& p, int b, std::mt19937_64
   host.kv.kv_indptr = kv_indptr;
   host.sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
   host.mask.causal = c.causal;
+  // A custom mask: request b's segment, as the one request of this host problem.
+  const int32_t mask_segment[2] = {c.mask_block > 0 ? p.mask_offsets[b] : 0, 0};
+  if (c.mask_block > 0) {
+    host.key_mask.custom = p.mask_bytes.data();
+    host.key_mask.custom_indptr = mask_segment;
+  }
 
   SampledReference reference;
   reference.request = b;

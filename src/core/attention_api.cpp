@@ -532,6 +532,7 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
   problem.kv.v_extent = v.shape[0];
   problem.kv.kv_indptr = kv_indptr.ptr<const int32_t>();
   set_sinks(check, plan, run_options, problem);
+  detail::set_key_mask(check, plan, run_options, problem);
   dispatch(check, plan, problem, workspace, stream);
 }
 
@@ -580,6 +581,7 @@ detail::AttentionProblem detail::prepare_paged_run(AttentionOp op, const Plan& p
   if (decode) problem.q_per_request = plan.batch_size > 0 ? plan.q_lens[0] : 1;
   problem.kv = source;
   set_sinks(check, plan, run_options, problem);
+  detail::set_key_mask(check, plan, run_options, problem);
   finish_checks(check, plan, problem, stream);
   return problem;
 }

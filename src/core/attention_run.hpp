@@ -16,6 +16,14 @@ AttentionProblem prepare_paged_run(AttentionOp op, const Plan& plan, const Tenso
                                    const TensorView& lse, Workspace workspace, void* stream,
                                    const RunOptions& run_options);
 
+// RunOptions::custom_mask / mask_indptr / tree_mask (include/tessera/attention.hpp) against the
+// plan and its op: a custom mask for prefill only, a tree mask for decode only, none on a CUDA
+// plan (Error kUnsupported), shapes, dtypes, devices and the mask_indptr values. Sets
+// problem.key_mask (core/masks.hpp); throws tessera::Error naming the field, writes nothing.
+// Defined in core/masks.cpp.
+void set_key_mask(const ArgChecker& check, const Plan& plan, const RunOptions& run_options,
+                  AttentionProblem& problem);
+
 // The run calls' checks of q [total_q, num_qo_heads, head_dim], o (q's shape and dtype) and the
 // optional lse [total_q, num_qo_heads] against `plan`.
 void check_run_outputs(const ArgChecker& check, const Plan& plan, const TensorView& q,

@@ -164,6 +164,15 @@ void run_cascade(const CascadePlan& plan, const TensorView& q, const TensorView&
     return "expected " + std::to_string(num_levels) + " levels (as planned), got " +
            std::to_string(levels.size());
   });
+  // Masks index a request's own keys; a cascade level sees only part of them.
+  for (const auto& [mask, name] :
+       {std::pair{run_options.custom_mask, "run_options.custom_mask"},
+        {run_options.mask_indptr, "run_options.mask_indptr"},
+        {run_options.tree_mask, "run_options.tree_mask"}}) {
+    check.require(!has_value(mask), name,
+                  "cascade attention takes no custom or tree mask (run the request's own "
+                  "plan_paged_prefill / plan_decode with it)");
+  }
   // The levels share total_q, heads, head_dim and device: the last one's plan checks q, o, lse.
   detail::check_run_outputs(check, plan.levels.back(), q, o, lse);
   // The merges read and write lse rows contiguously.

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "core/masks.hpp"
 #include "tessera/types.hpp"
 
 #if defined(__CUDACC__)
@@ -144,6 +145,9 @@ struct AttentionProblem {
   float k_scale = 1.0f;   // fp8 KV dequantisation
   float v_scale = 1.0f;
   MaskSpec mask;
+  // Optional custom (prefill) or tree (decode) mask, ANDed with `mask` (core/masks.hpp); CPU
+  // backend only (set_key_mask rejects one on a CUDA plan).
+  KeyMask key_mask;
 
   TESSERA_HD int32_t group_size() const { return num_qo_heads / num_kv_heads; }
   TESSERA_HD int32_t head_dim_v() const { return head_dim_vo > 0 ? head_dim_vo : head_dim; }

@@ -196,7 +196,7 @@ void check_plan(const Plan& plan, const AttentionProblem& problem, const Workspa
                                                " (expected float32, float16 or bfloat16)");
   }
   const DType kv_dtype = problem.kv.dtype;
-  if (kv_dtype == DType::kInt32 || kv_dtype == DType::kInt64) {
+  if (kv_dtype == DType::kInt32 || kv_dtype == DType::kInt64 || kv_dtype == DType::kUInt8) {
     throw Error(Error::Kind::kUnsupported,
                 std::string("cpu attention: kv dtype ") + dtype_name(kv_dtype));
   }

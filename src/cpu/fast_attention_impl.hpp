@@ -20,6 +20,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -28,6 +29,7 @@
 
 #include "core/problem.hpp"
 #include "cpu/cpu_info.hpp"
+#include "cpu/fast_masks.hpp"
 #include "cpu/sink.hpp"
 #include "tessera/attention.hpp"
 
@@ -107,7 +109,7 @@ class FlashAttentionKernel {
     int32_t qk_padded;    // head_dim (q / k width), padded to whole vectors (Q and K rows)
     int32_t dim_padded;   // head_dim_vo, padded to whole vectors (V and O rows)
     size_t q_t, o, row_max, row_sum, row_alpha, k_tile, v_tile, s_tile, row_buffer, k_offsets,
-        v_offsets, first_key, last_key, total;
+        v_offsets, first_key, last_key, mask_words, total;
 
     ScratchLayout(int32_t rows, int32_t head_dim, int32_t head_dim_vo)
         : rows_padded(round_up(rows, kLanes)),
@@ -133,6 +135,7 @@ class FlashAttentionKernel {
       v_offsets = take(sizeof(int64_t) * kFastKeyTile);
       first_key = take(sizeof(int32_t) * rows);
       last_key = take(sizeof(int32_t) * rows);
+      mask_words = take(sizeof(uint64_t) * rows);  // per token: its visible keys of a tile
       total = offset + kAlignBytes;  // room to align the caller's base pointer
     }
   };
@@ -418,9 +421,14 @@ class FlashAttentionKernel {
                                                      int32_t keys, int32_t key0, bool all_visible,
                                                      int32_t group_size, const int32_t* first_key,
                                                      const int32_t* last_key, const float* alpha,
-                                                     float* o) {
+                                                     const uint64_t* mask_words, float* o) {
     if (all_visible || values_finite(v_tile, keys, dim_padded)) {
       accumulate_values(p_tile, rows_padded, pv_rows, v_tile, dim_padded, keys, alpha, o);
+      return;
+    }
+    if (mask_words != nullptr) {
+      accumulate_mask_runs(p_tile, rows, rows_padded, v_tile, dim_padded, group_size, mask_words,
+                           alpha, o);
       return;
     }
     const int32_t dim_vecs = dim_padded / kLanes;
@@ -439,6 +447,41 @@ class FlashAttentionKernel {
       for (; dv < dim_vecs; ++dv) {
         value_block<1, 1>(p, rows_padded, v + dv * kLanes, dim_padded, hi - lo, alpha + r,
                           o_row + dv * kLanes);
+      }
+    }
+  }
+
+  // ---- custom and tree masks (core/masks.hpp) ----
+
+  // accumulate_tile's per-row path under a mask: O row = O row * alpha + P V over each run of
+  // consecutive visible keys (alpha applied once), so a masked key's V is never read.
+  static void accumulate_mask_runs(const float* p_tile, int32_t rows, int32_t rows_padded,
+                                   const float* v_tile, int32_t dim_padded, int32_t group_size,
+                                   const uint64_t* words, const float* alpha, float* o) {
+    const int32_t dim_vecs = dim_padded / kLanes;
+    const float one = 1.0f;
+    for (int32_t r = 0; r < rows; ++r) {
+      float* o_row = o + r * dim_padded;
+      const float* row_alpha = alpha + r;
+      uint64_t word = words[r / group_size];
+      bool scaled = false;
+      while (!scaled || word != 0) {
+        const int32_t lo = word == 0 ? 0 : std::countr_zero(word);
+        const int32_t run = word == 0 ? 0 : std::countr_one(word >> lo);
+        const float* p = p_tile + lo * rows_padded + r;
+        const float* v = v_tile + lo * dim_padded;
+        int32_t dv = 0;
+        for (; dv + kPvDimVecs <= dim_vecs; dv += kPvDimVecs) {
+          value_block<1, kPvDimVecs>(p, rows_padded, v + dv * kLanes, dim_padded, run, row_alpha,
+                                     o_row + dv * kLanes);
+        }
+        for (; dv < dim_vecs; ++dv) {
+          value_block<1, 1>(p, rows_padded, v + dv * kLanes, dim_padded, run, row_alpha,
+                            o_row + dv * kLanes);
+        }
+        word &= ~bit_range(lo, lo + run);
+        row_alpha = &one;  // alpha once per row
+        scaled = true;
       }
     }
   }
@@ -635,6 +678,8 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
   int64_t* v_offsets = reinterpret_cast<int64_t*>(base + layout.v_offsets);
   int32_t* first_key = reinterpret_cast<int32_t*>(base + layout.first_key);
   int32_t* last_key = reinterpret_cast<int32_t*>(base + layout.last_key);
+  uint64_t* mask_words = reinterpret_cast<uint64_t*>(base + layout.mask_words);
+  const bool masked = problem.key_mask.active();  // a custom / tree mask: tiles use mask_words
 
   const int32_t request = item.request;
   const int32_t request_q_len = problem.q_len(request);
@@ -667,7 +712,11 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
       }
       if (first_key[t] > key0 || last_key[t] < key0 + keys) all_visible = false;
     }
-    if (!any_visible) continue;
+    if (masked && any_visible) {
+      tile_mask_words(problem, item, tokens, request_q_len, kv_len, key0, keys, first_key,
+                      last_key, mask_words, &any_visible, &all_visible);
+    }
+    if (!any_visible) continue;  // fully masked tiles are skipped
 
     tile_offsets(kv, request, item.kv_head, key0, keys, k_offsets, v_offsets);
     for (int32_t j = 0; j < keys; ++j) {
@@ -696,7 +745,9 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
       compute_scores(q_t, rows_padded, k_tile, qk_padded, head_dim, keys_padded, s_tile);
     }
     if (context.soft_cap > 0.0f) apply_soft_cap(s_tile, keys * rows_padded, context.soft_cap);
-    if (!all_visible) {
+    if (!all_visible && masked) {
+      mask_scores(s_tile, rows, rows_padded, keys, group_size, mask_words);
+    } else if (!all_visible) {
       for (int32_t r = 0; r < rows; ++r) {
         const int32_t t = r / group_size;
         const int32_t visible_lo = std::clamp(first_key[t] - key0, 0, keys);
@@ -707,7 +758,8 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
     }
     online_softmax(s_tile, rows_padded, keys, row_max, row_sum, row_alpha);
     accumulate_tile(s_tile, rows, rows_padded, pv_rows, v_tile, dim_padded, keys, key0,
-                    all_visible, group_size, first_key, last_key, row_alpha, o);
+                    all_visible, group_size, first_key, last_key, row_alpha,
+                    masked ? mask_words : nullptr, o);
   }
 
   write_rows(context, item, rows, dim_padded, first_token, o, row_max, row_sum, row_buffer);

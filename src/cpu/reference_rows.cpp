@@ -49,7 +49,12 @@ double sink_free_row(const AttentionProblem& problem, int32_t request, int32_t t
   std::vector<double> logits(last - first);
   double max_logit = -std::numeric_limits<double>::infinity();
   bool poisoned = false;  // a visible score is NaN or +inf: the whole row is NaN
+  const KeyMask& key_mask = problem.key_mask;  // custom / tree mask (core/masks.hpp)
+  auto masked = [&](int32_t j) {
+    return key_mask.active() && !key_mask.visible(request, token, j, q_len, kv_len);
+  };
   for (int32_t j = first; j < last; ++j) {
+    if (masked(j)) continue;  // excluded, like a key outside [first, last)
     const float* key = keys + static_cast<size_t>(j) * head_dim;
     double dot = 0.0;
     for (int32_t d = 0; d < head_dim; ++d) dot += query[d] * key[d];
@@ -68,6 +73,7 @@ double sink_free_row(const AttentionProblem& problem, int32_t request, int32_t t
   if (max_logit == -std::numeric_limits<double>::infinity()) return max_logit;
   double sum = 0.0;
   for (int32_t j = first; j < last; ++j) {
+    if (masked(j)) continue;
     // A -inf score gives p = 0 exactly; 0 * an infinite v is NaN (IEEE, as torch).
     const double p = std::exp(logits[j - first] - max_logit);
     sum += p;

@@ -94,7 +94,8 @@ Plan plan_for(const AttentionBuffers& buffers, Device device) {
   return {};
 }
 
-Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* given_plan) {
+Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* given_plan,
+                        const RunOptions* masks) {
   const AttentionCase& c = buffers.test_case;
   const Plan plan = given_plan ? *given_plan : plan_for(buffers, device);
   poison_outputs(buffers);
@@ -110,6 +111,11 @@ Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* gi
   RunOptions run_options;
   if (c.with_sinks) {
     run_options.sinks = make_view(sinks->data(), DType::kFloat32, {c.num_qo_heads}, device);
+  }
+  if (masks != nullptr) {
+    run_options.custom_mask = masks->custom_mask;
+    run_options.mask_indptr = masks->mask_indptr;
+    run_options.tree_mask = masks->tree_mask;
   }
 
   const TensorView q_view =

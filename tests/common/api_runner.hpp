@@ -18,7 +18,10 @@ Plan plan_for(const AttentionBuffers& buffers, Device device);
 // Copies the case to `device` (in place on the CPU), poisons o/lse and a workspace with NaN,
 // runs plan_for()'s plan (or `plan` when given) through run_ragged_prefill / run_paged_prefill /
 // run_decode and returns the outputs (as host bytes laid out like buffers.o / buffers.lse).
-Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* plan = nullptr);
+// `masks` (optional): its custom_mask, mask_indptr and tree_mask join the run options as they
+// are (host views: CPU plans, tests/test_masks.cpp).
+Outputs run_through_api(AttentionBuffers& buffers, Device device, const Plan* plan = nullptr,
+                        const RunOptions* masks = nullptr);
 
 // The double-precision oracle's outputs for the case.
 Outputs run_reference(AttentionBuffers& buffers);

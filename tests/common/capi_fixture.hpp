@@ -24,6 +24,7 @@ constexpr DLDataType kF16{kDLFloat, 16, 1};
 constexpr DLDataType kBF16{kDLBfloat, 16, 1};
 constexpr DLDataType kE4M3{TESSERA_DL_FLOAT8_E4M3FN, 8, 1};
 constexpr DLDataType kI32{kDLInt, 32, 1};
+constexpr DLDataType kU8{kDLUInt, 8, 1};
 constexpr float kSentinel = -4321.0f;
 
 // This test's own DLPack -> tessera dtype table, so the C layer's conversion is checked against
@@ -34,6 +35,7 @@ inline tessera::DType dtype_of(DLDataType type) {
   if (type.code == kDLBfloat) return tessera::DType::kBFloat16;
   if (type.code == TESSERA_DL_FLOAT8_E4M3FN) return tessera::DType::kFloat8E4M3;
   if (type.code == TESSERA_DL_FLOAT8_E5M2) return tessera::DType::kFloat8E5M2;
+  if (type.code == kDLUInt && type.bits == 8) return tessera::DType::kUInt8;
   return type.bits == 32 ? tessera::DType::kInt32 : tessera::DType::kInt64;
 }
 

@@ -20,9 +20,11 @@ def attention_ref(
     softcap: float = 0.0,
     sm_scale: Optional[float] = None,
     k_rows: Optional[Sequence[np.ndarray]] = None,
+    mask: Optional[Sequence[np.ndarray]] = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Ragged attention in float64: q [total_q, H, D]; k, v [total_kv, H_kv, D] ragged by the
-    lengths (or per-request key/value rows in ``k_rows`` as (k_b, v_b) pairs).
+    lengths (or per-request key/value rows in ``k_rows`` as (k_b, v_b) pairs). ``mask``: per
+    request a boolean [q_len, kv_len] (True: visible) ANDed with causal / window.
     Returns (o [total_q, H, D], lse [total_q, H]).
 
     Non-finite inputs as include/tessera/attention.hpp defines them: a row without a visible
@@ -54,6 +56,8 @@ def attention_ref(
             visible &= j >= i + off - window[0]
         if window[1] >= 0:
             visible &= j <= i + off + window[1]
+        if mask is not None:
+            visible &= np.asarray(mask[b], bool).reshape(lq, lk)
         for h in range(heads):
             if lk == 0:
                 continue

@@ -32,6 +32,9 @@ _RUN_NAMES = {
     "page_indices": "paged_kv_indices (plan)",
     "last_page_len": "paged_kv_last_page_len (plan)",
     "workspace": "float_workspace_buffer",
+    "run_options.custom_mask": "custom_mask / packed_custom_mask (plan)",
+    "run_options.mask_indptr": "mask_indptr (plan)",
+    "run_options.tree_mask": "tree_mask (plan)",
 }
 _OPTION_ARG_NAMES = ("window_left", "logits_soft_cap", "sm_scale", "k_scale")
 
@@ -50,12 +53,6 @@ def _check_pos_encoding(pos_encoding_mode: str, rope_scale: Any, rope_theta: Any
             "(or fused into append_paged_kv_cache)"
         )
     del rope_scale, rope_theta
-
-
-def _check_no_custom_mask(custom_mask: Any, packed_custom_mask: Any) -> None:
-    if custom_mask is not None or packed_custom_mask is not None:
-        raise ValueError("'custom_mask': custom masks are not supported; use causal, window_left "
-                         "or split the batch")
 
 
 def _check_head_dim_vo(head_dim_qk: int, head_dim_vo: Optional[int]) -> None:

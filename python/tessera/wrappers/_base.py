@@ -154,6 +154,8 @@ class _Wrapper:
         self._run_fn: Any = None  # the C run function, bound by plan()
         self._run_v2_fn: Any = None  # its *_v2 form (per-call options: sinks)
         self._fast: Any = None  # the C fast path's runner of the current plan (see _fast.py)
+        # The current plan's custom / tree mask (_masks.PlannedMasks), passed to every run.
+        self._masks: Any = None
         self.reset_workspace_buffer(float_workspace_buffer)
 
     # -- workspace ----------------------------------------------------------------------------
@@ -252,10 +254,20 @@ class _Wrapper:
         """The plan's index array descriptors in the order of the C run function."""
         raise NotImplementedError
 
+    def _stage_masks(self, masks: Any) -> Callable[[], None]:
+        """What puts a plan's masks (or None) in place with its index arrays."""
+        def put() -> None:
+            self._masks = masks
+        return put
+
     def _arm_fast(self) -> None:
         """Makes the C fast path's runner for the current plan, index arrays and workspace
-        (None when the extension is not available)."""
+        (None when the extension is not available, or when the plan has a mask: the fast path
+        passes no run options, so such runs take the ctypes path)."""
         assert self._plan is not None
+        if self._masks is not None:
+            self._fast = None
+            return
         self._fast = _fast.runner(self._run_symbol, self._plan, self._workspace_ptr,
                                   self._workspace_bytes, self._layout, self._index_descriptors(),
                                   self._workspace, self._device)
@@ -312,13 +324,13 @@ class _Wrapper:
 
     def _invoke(self, sinks: Optional[ArrayLike], enable_pdl: Optional[bool], *args: Any) -> int:
         """The C run call with ``args``; with attention sinks (float32 ``[num_qo_heads]`` on
-        q's device, validated by the C ABI) or ``enable_pdl`` (programmatic dependent launch,
-        FlashInfer's run argument) its *_v2 form. Such calls take this ctypes path, never the
-        C fast path."""
-        if sinks is None and not enable_pdl:
+        q's device, validated by the C ABI), ``enable_pdl`` (programmatic dependent launch,
+        FlashInfer's run argument) or a planned mask its *_v2 form. Such calls take this
+        ctypes path, never the C fast path."""
+        if sinks is None and not enable_pdl and self._masks is None:
             return self._run_fn(*args)
         options = _capi.run_options(None if sinks is None else cached_dl(sinks, "sinks"),
-                                    bool(enable_pdl))
+                                    bool(enable_pdl), self._masks)
         return self._run_v2_fn(*args, ctypes.byref(options))
 
     def _stream(self, q: ArrayLike, q_dl: DLTensor) -> Optional[ctypes.c_void_p]:

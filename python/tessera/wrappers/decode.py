@@ -10,6 +10,7 @@ from .. import _capi
 from .._capi import check
 from .._common import attention_options
 from .._dlpack import DLTensor, cached_dl, to_host_int32
+from .._masks import plan_tree_mask
 from ._args import (
     _I32P,
     _OPTION_ARG_NAMES,
@@ -29,7 +30,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
     """Batch decode attention over a paged KV cache (FlashInfer's wrapper of the same name).
 
     ``q`` is ``[batch_size * q_per_request, num_qo_heads, head_dim]`` (``q_per_request = 1`` for
-    plain decode; up to 64 for speculative decoding, causal within the request's last tokens).
+    plain decode; up to 64 for speculative decoding, causal within the request's last tokens, or
+    a tree of drafts given by ``plan(..., tree_mask=)``).
 
     Example::
 
@@ -76,6 +78,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         q_per_request: int = 1,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        tree_mask: Optional[ArrayLike] = None,
     ) -> None:
         """Plans one decode step.
 
@@ -88,6 +91,15 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             q_per_request: query tokens per request (1..64, Tessera extension for speculative
                 decoding; causal among them, aligned bottom-right).
             k_scale, v_scale: fp8 KV dequantisation scales (Tessera extension).
+            tree_mask: speculative decoding with a tree of drafts (Tessera extension): booleans
+                ``[batch_size, q_per_request, q_per_request]``, ``[b, i, d]`` True when draft
+                token ``i`` of request ``b`` sees draft ``d`` (set ``[b, i, i]`` for a token to see
+                itself), or those rows already packed little-endian (uint8 ``[batch_size,
+                >= ceil(q_per_request^2 / 8)]``). The drafts' keys are each request's last
+                ``q_per_request`` keys; every draft sees all the keys before them. The tree takes
+                the place of the causal relation among the drafts (the plan is not causal then)
+                and joins every run of this plan. CPU only for now (a CUDA workspace's run raises
+                UnsupportedError naming it); such runs take the ctypes path.
         """
         del q_data_type, kv_data_type, data_type, non_blocking
         _check_pos_encoding(pos_encoding_mode, rope_scale, rope_theta)
@@ -96,8 +108,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         if indptr_host.size < 1:
             raise ValueError("'indptr': expected batch_size + 1 >= 1 values")
         q_per_request = _int_arg(q_per_request, "q_per_request")
-        options = attention_options(q_per_request > 1, window_left, -1, logits_soft_cap, sm_scale,
-                                    k_scale, v_scale, names=_OPTION_ARG_NAMES)
+        options = attention_options(q_per_request > 1 and tree_mask is None, window_left, -1,
+                                    logits_soft_cap, sm_scale, k_scale, v_scale,
+                                    names=_OPTION_ARG_NAMES)
         handle = ctypes.c_void_p()
         check(_capi.lib().tessera_plan_decode(
             indptr_host.ctypes.data_as(_I32P), last_host.ctypes.data_as(_I32P),
@@ -107,8 +120,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
             self._device[0], self._device[1], ctypes.byref(handle)),
             dict(_PLAN_NAMES, page_indptr_host="indptr", last_page_len_host="last_page_len"))
         plan = self._new_plan(handle)
+        masks = plan_tree_mask(tree_mask, indptr_host.size - 1, q_per_request, self._workspace,
+                               self._workspace_dl)
         self._install(plan, options,
-                      self._stage_pages(indptr, indptr_host, indices, last_page_len, last_host))
+                      self._stage_pages(indptr, indptr_host, indices, last_page_len, last_host) +
+                      [self._stage_masks(masks)])
 
     def _index_descriptors(self) -> List[DLTensor]:
         return [self._page_indptr.dl, self._page_indices.dl, self._last_page_len.dl]
@@ -125,7 +141,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedWrapper):
         ``[num_qo_heads]`` on q's device, one logit per query head that joins every row's softmax
         denominator (gpt-oss). ``enable_pdl``: programmatic dependent launch (sm_90+; the
         kernel overlaps the previous kernel's tail and waits for it before touching memory).
-        Calls with either take the ctypes path."""
+        Calls with either, or with a planned tree mask, take the ctypes path."""
         plan = self._plan
         if plan is None:
             self._require_plan()

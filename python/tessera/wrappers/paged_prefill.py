@@ -6,10 +6,13 @@ from __future__ import annotations
 import ctypes
 from typing import Any, List, Optional, Tuple, Union
 
+import numpy as np
+
 from .. import _capi
 from .._capi import check
 from .._common import attention_options
 from .._dlpack import DLTensor, cached_dl, to_host_int32
+from .._masks import plan_custom_mask
 from ._args import (
     _I32P,
     _OPTION_ARG_NAMES,
@@ -17,7 +20,6 @@ from ._args import (
     _RUN_NAMES,
     ArrayLike,
     _check_head_dim_vo,
-    _check_no_custom_mask,
     _check_pos_encoding,
     _int_arg,
 )
@@ -46,9 +48,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
                  paged_kv_last_page_len_buf: Optional[ArrayLike] = None,
                  custom_mask_buf: Optional[ArrayLike] = None,
                  mask_indptr_buf: Optional[ArrayLike] = None, backend: str = "auto") -> None:
-        """``backend`` is accepted for FlashInfer compatibility and ignored."""
+        """``backend`` is accepted for FlashInfer compatibility and ignored, and so are
+        ``custom_mask_buf`` / ``mask_indptr_buf`` (each plan keeps its mask in arrays of its
+        own on the workspace's device)."""
         del backend
-        _check_no_custom_mask(custom_mask_buf, mask_indptr_buf)
+        del custom_mask_buf, mask_indptr_buf  # masks live in arrays of the plan (see plan())
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, paged_kv_indptr_buf,
                          paged_kv_indices_buf, paged_kv_last_page_len_buf)
         self._qo_indptr = _IndexSlot("qo_indptr", qo_indptr_buf, self._device)
@@ -80,11 +84,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         *,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        mask_indptr: Optional[ArrayLike] = None,
     ) -> None:
         """Plans the batch (arguments as in FlashInfer; see
-        :meth:`BatchPrefillWithRaggedKVCacheWrapper.plan` for the options)."""
+        :meth:`BatchPrefillWithRaggedKVCacheWrapper.plan` for the options, the custom masks
+        included: a request's keys are its ``kv_len`` cached tokens, in page-table order)."""
         del use_fp16_qk_reduction, q_data_type, kv_data_type, non_blocking
-        _check_no_custom_mask(custom_mask, packed_custom_mask)
         _check_pos_encoding(pos_encoding_mode, rope_scale, rope_theta)
         _check_head_dim_vo(head_dim_qk, head_dim_vo)
         qo_host = to_host_int32(qo_indptr, "qo_indptr").reshape(-1)
@@ -107,9 +112,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
             ctypes.byref(options), self._device[0], self._device[1], ctypes.byref(handle)),
             dict(_PLAN_NAMES, head_dim="head_dim_qk"))
         plan = self._new_plan(handle)
+        pages = np.diff(indptr_host).astype(np.int64)
+        kv_lens = np.where(pages > 0, (pages - 1) * int(page_size) + last_host, 0)
+        # After the plan checked the lengths; before anything of the wrapper changes.
+        masks = plan_custom_mask(custom_mask, packed_custom_mask, mask_indptr, np.diff(qo_host),
+                                 kv_lens, self._workspace, self._workspace_dl)
         staged = [self._qo_indptr.stage(self, qo_indptr, qo_host)]
         staged += self._stage_pages(paged_kv_indptr, indptr_host, paged_kv_indices,
                                     paged_kv_last_page_len, last_host)
+        staged.append(self._stage_masks(masks))
         self._install(plan, options, staged)
 
     def _index_descriptors(self) -> List[DLTensor]:
@@ -126,7 +137,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         ``[num_qo_heads]`` on q's device, one logit per query head that joins every row's softmax
         denominator (gpt-oss). ``enable_pdl``: programmatic dependent launch (sm_90+; the
         kernel overlaps the previous kernel's tail and waits for it before touching memory).
-        Calls with either take the ctypes path."""
+        Calls with either, or with a planned mask, take the ctypes path."""
         plan = self._plan
         if plan is None:
             self._require_plan()

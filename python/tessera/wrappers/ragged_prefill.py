@@ -5,10 +5,13 @@ from __future__ import annotations
 import ctypes
 from typing import Any, List, Optional, Tuple, Union
 
+import numpy as np
+
 from .. import _capi
 from .._capi import check
 from .._common import attention_options
 from .._dlpack import DLTensor, cached_dl, to_host_int32
+from .._masks import plan_custom_mask
 from ._args import (
     _I32P,
     _OPTION_ARG_NAMES,
@@ -16,7 +19,6 @@ from ._args import (
     _RUN_NAMES,
     ArrayLike,
     _check_head_dim_vo,
-    _check_no_custom_mask,
     _check_pos_encoding,
     _int_arg,
 )
@@ -47,9 +49,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
                  custom_mask_buf: Optional[ArrayLike] = None,
                  mask_indptr_buf: Optional[ArrayLike] = None, backend: str = "auto") -> None:
         """``backend`` is accepted for FlashInfer compatibility and ignored (Tessera dispatches
-        by device); custom masks are not supported."""
+        by device), and so are ``custom_mask_buf`` / ``mask_indptr_buf`` (each plan keeps its
+        mask in arrays of its own on the workspace's device)."""
         del backend
-        _check_no_custom_mask(custom_mask_buf, mask_indptr_buf)
+        del custom_mask_buf, mask_indptr_buf  # masks live in arrays of the plan (see plan())
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph)
         self._qo_indptr = _IndexSlot("qo_indptr", qo_indptr_buf, self._device)
         self._kv_indptr = _IndexSlot("kv_indptr", kv_indptr_buf, self._device)
@@ -77,6 +80,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         *,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        mask_indptr: Optional[ArrayLike] = None,
     ) -> None:
         """Plans the batch.
 
@@ -85,14 +89,22 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             num_qo_heads, num_kv_heads, head_dim_qk: problem shape (``head_dim_vo`` must equal
                 ``head_dim_qk``).
             causal: causal mask aligned bottom-right. window_left: sliding window (-1 = off).
+            custom_mask: FlashInfer's custom mask: booleans, every request's ``[q_len,
+                kv_len]`` matrix (True: query row i sees key j) flattened and concatenated; packed
+                here (little-endian, :func:`tessera.segment_packbits`). packed_custom_mask: the
+                same already packed (uint8, little-endian), each request's
+                ``ceil(q_len * kv_len / 8)`` bytes back to back, or anywhere with
+                ``mask_indptr`` (int32 ``[batch_size + 1]`` byte offsets, Tessera extension). The
+                mask ANDs with causal and window_left and joins every run of this plan. CPU only
+                for now (a CUDA workspace's run raises UnsupportedError naming it); such runs
+                take the ctypes path.
             logits_soft_cap: soft-cap (None/0 = off). sm_scale: None = 1/sqrt(head_dim).
             k_scale, v_scale: fp8 KV dequantisation scales (Tessera extension).
-            custom_mask, pos_encoding_mode other than "NONE": not supported (ValueError).
+            pos_encoding_mode other than "NONE": not supported (ValueError).
             use_fp16_qk_reduction, q_data_type, kv_data_type: accepted and ignored (accumulation
                 is always fp32; dtypes are checked by run()).
         """
         del use_fp16_qk_reduction, q_data_type, kv_data_type
-        _check_no_custom_mask(custom_mask, packed_custom_mask)
         _check_pos_encoding(pos_encoding_mode, rope_scale, rope_theta)
         _check_head_dim_vo(head_dim_qk, head_dim_vo)
         qo_host = to_host_int32(qo_indptr, "qo_indptr").reshape(-1)
@@ -109,8 +121,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             _int_arg(head_dim_qk, "head_dim_qk"), ctypes.byref(options), self._device[0],
             self._device[1], ctypes.byref(handle)), dict(_PLAN_NAMES, head_dim="head_dim_qk"))
         plan = self._new_plan(handle)
+        # After the plan checked the lengths; before anything of the wrapper changes.
+        masks = plan_custom_mask(custom_mask, packed_custom_mask, mask_indptr, np.diff(qo_host),
+                                 np.diff(kv_host), self._workspace, self._workspace_dl)
         self._install(plan, options, [self._qo_indptr.stage(self, qo_indptr, qo_host),
-                                      self._kv_indptr.stage(self, kv_indptr, kv_host)])
+                                      self._kv_indptr.stage(self, kv_indptr, kv_host),
+                                      self._stage_masks(masks)])
 
     def _index_descriptors(self) -> List[DLTensor]:
         return [self._qo_indptr.dl, self._kv_indptr.dl]
@@ -126,7 +142,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         ``[num_qo_heads]`` on q's device, one logit per query head that joins every row's softmax
         denominator (gpt-oss). ``enable_pdl``: programmatic dependent launch (sm_90+; the
         kernel overlaps the previous kernel's tail and waits for it before touching memory).
-        Calls with either take the ctypes path."""
+        Calls with either, or with a planned mask, take the ctypes path."""
         plan = self._plan
         if plan is None:
             self._require_plan()
