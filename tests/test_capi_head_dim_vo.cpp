@@ -41,14 +41,13 @@ class CApiHeadDimVoTest : public CApiTest {
   tessera_status plan(int op, const tessera_plan_options* extra, tessera_plan** out) {
     if (op == 0) {
       return tessera_plan_ragged_prefill_v2(qo_indptr_host.data(), kv_indptr_host.data(), kBatch,
-                                            kQoHeads, kKvHeads, kHeadDim, &options, extra,
-                                            kDLCPU, 0, out);
+                                            kQoHeads, kKvHeads, kHeadDim, &options, extra, kDLCPU,
+                                            0, out);
     }
     if (op == 1) {
       return tessera_plan_paged_prefill_v2(qo_indptr_host.data(), page_indptr_host.data(),
-                                           last_page_len_host.data(), kBatch, kPageSize,
-                                           kQoHeads, kKvHeads, kHeadDim, &options, extra, kDLCPU,
-                                           0, out);
+                                           last_page_len_host.data(), kBatch, kPageSize, kQoHeads,
+                                           kKvHeads, kHeadDim, &options, extra, kDLCPU, 0, out);
     }
     return tessera_plan_decode_v2(page_indptr_host.data(), last_page_len_host.data(), kBatch,
                                   kPageSize, kQoHeads, kKvHeads, kHeadDim, kQPerRequest, &options,
@@ -78,8 +77,7 @@ class CApiHeadDimVoTest : public CApiTest {
       tessera::paged_prefill(q.view(), narrow_kv_cpp(), qo_indptr.view(), out.view(),
                              out_lse.view(), options_cpp());
     } else {
-      tessera::decode(q_decode.view(), narrow_kv_cpp(), out.view(), out_lse.view(),
-                      options_cpp());
+      tessera::decode(q_decode.view(), narrow_kv_cpp(), out.view(), out_lse.view(), options_cpp());
     }
   }
   HostTensor& out_of(int op) { return op == 2 ? o_decode_narrow : o_narrow; }

@@ -23,15 +23,15 @@ TEST(CudaHeadDimVo, OtherPairsAreUnsupportedByName) {
   for (int32_t vo : {64, 512}) {
     AttentionOptions options;
     options.head_dim_vo = vo;
-    EXPECT_TRUE(test::fails_with(
-        [&] { (void)plan_ragged_prefill(qo, kv, 8, 2, 192, options, gpu); },
-        Error::Kind::kUnsupported, "'options.head_dim_vo'"));
+    EXPECT_TRUE(
+        test::fails_with([&] { (void)plan_ragged_prefill(qo, kv, 8, 2, 192, options, gpu); },
+                         Error::Kind::kUnsupported, "'options.head_dim_vo'"));
     EXPECT_TRUE(test::fails_with(
         [&] { (void)plan_paged_prefill(qo, pages, last, 16, 8, 2, 128, options, gpu); },
         Error::Kind::kUnsupported, "'options.head_dim_vo'"));
-    EXPECT_TRUE(test::fails_with(
-        [&] { (void)plan_decode(pages, last, 16, 8, 2, 128, options, gpu); },
-        Error::Kind::kUnsupported, "'options.head_dim_vo'"));
+    EXPECT_TRUE(
+        test::fails_with([&] { (void)plan_decode(pages, last, 16, 8, 2, 128, options, gpu); },
+                         Error::Kind::kUnsupported, "'options.head_dim_vo'"));
   }
   AttentionOptions equal;
   equal.head_dim_vo = 128;
@@ -44,7 +44,9 @@ TEST(CudaHeadDimVo, OtherPairsAreUnsupportedByName) {
 
 #else
 
-TEST(CudaHeadDimVo, NeedsTheCudaBackend) { GTEST_SKIP() << "built without the CUDA backend"; }
+TEST(CudaHeadDimVo, NeedsTheCudaBackend) {
+  GTEST_SKIP() << "built without the CUDA backend";
+}
 
 #endif
 

@@ -152,8 +152,8 @@ TEST(HeadDimVoFastPath, EveryIsaSplitAndUnsplitMatchesTheReference) {
     const AttentionCase c = random_vo_case(rng, trial % 3 != 0, trial % 3 == 2);
     AttentionBuffers buffers = test::make_buffers(c, rng);
     const Outputs expected = reference(buffers);
-    for (detail::CpuIsa isa : {detail::CpuIsa::kGeneric, detail::CpuIsa::kAvx2,
-                               detail::CpuIsa::kAvx512}) {
+    for (detail::CpuIsa isa :
+         {detail::CpuIsa::kGeneric, detail::CpuIsa::kAvx2, detail::CpuIsa::kAvx512}) {
       if (!detail::cpu_supports(isa)) continue;
       for (const test::TestPlanOptions& options :
            {test::TestPlanOptions{64, 0, 2}, test::TestPlanOptions{16, 37, 3}}) {
@@ -193,16 +193,16 @@ class HeadDimVoValidation : public test::ValidationTest {
   static constexpr int kVo = 8;
   void SetUp() override {
     ValidationTest::SetUp();
-    v_narrow = make_view(v_narrow_data.data(), DType::kFloat32,
-                         {test::kTotalKv, test::kKvHeads, kVo});
+    v_narrow =
+        make_view(v_narrow_data.data(), DType::kFloat32, {test::kTotalKv, test::kKvHeads, kVo});
     v_cache_narrow = make_view(v_cache_narrow_data.data(), DType::kFloat32,
                                {test::kNumPages, test::kPageSize, test::kKvHeads, kVo});
     narrow_cache = cache;
     narrow_cache.v_cache = v_cache_narrow;
-    o_narrow = make_view(o_narrow_data.data(), DType::kFloat32,
-                         {test::kTotalQ, test::kQoHeads, kVo});
-    o_decode_narrow = make_view(o_decode_narrow_data.data(), DType::kFloat32,
-                                {2, test::kQoHeads, kVo});
+    o_narrow =
+        make_view(o_narrow_data.data(), DType::kFloat32, {test::kTotalQ, test::kQoHeads, kVo});
+    o_decode_narrow =
+        make_view(o_decode_narrow_data.data(), DType::kFloat32, {2, test::kQoHeads, kVo});
     options.head_dim_vo = kVo;
   }
   std::vector<float> v_narrow_data = test::pattern(test::kTotalKv * test::kKvHeads * kVo);
@@ -229,9 +229,8 @@ TEST_F(HeadDimVoValidation, OneShotCallsTakeTheWidthFromV) {
   EXPECT_EQ(o_narrow_data, planned);
   EXPECT_NE(o_narrow_data[0], test::kOutputSentinel);
 
-  const Plan decode_plan_vo = plan_decode(page_indptr_values, last_page_len_values,
-                                          test::kPageSize, test::kQoHeads, test::kKvHeads,
-                                          test::kHeadDim, options);
+  const Plan decode_plan_vo = plan_decode(page_indptr_values, last_page_len_values, test::kPageSize,
+                                          test::kQoHeads, test::kKvHeads, test::kHeadDim, options);
   space.assign(std::max<size_t>(decode_plan_vo.workspace_bytes, 1), 0);
   run_decode(decode_plan_vo, q_decode, narrow_cache, o_decode_narrow, lse_decode,
              {space.data(), space.size()});
@@ -261,22 +260,24 @@ TEST_F(HeadDimVoValidation, RejectsBadWidthsByName) {
   }
   const Plan ragged = plan_ragged_prefill(qo_indptr_values, kv_indptr_values, test::kQoHeads,
                                           test::kKvHeads, test::kHeadDim, options);
-  const Plan paged = plan_paged_prefill(qo_indptr_values, page_indptr_values,
-                                        last_page_len_values, test::kPageSize, test::kQoHeads,
-                                        test::kKvHeads, test::kHeadDim, options);
+  const Plan paged =
+      plan_paged_prefill(qo_indptr_values, page_indptr_values, last_page_len_values,
+                         test::kPageSize, test::kQoHeads, test::kKvHeads, test::kHeadDim, options);
   std::vector<uint8_t> space(std::max({ragged.workspace_bytes, paged.workspace_bytes, size_t{1}}));
   const Workspace ws{space.data(), space.size()};
   const auto snapshot_narrow = o_narrow_data;
   // v of the qk width for a plan of vo 8; o of the qk width; v_cache of the qk width.
-  expect_invalid([&] { run_ragged_prefill(ragged, q, k, v, qo_indptr, kv_indptr, o_narrow, lse, ws); },
-                 "v");
+  expect_invalid(
+      [&] { run_ragged_prefill(ragged, q, k, v, qo_indptr, kv_indptr, o_narrow, lse, ws); }, "v");
   expect_invalid(
       [&] { run_ragged_prefill(ragged, q, k, v_narrow, qo_indptr, kv_indptr, o, lse, ws); }, "o");
   expect_invalid([&] { run_paged_prefill(paged, q, cache, qo_indptr, o_narrow, lse, ws); },
                  "v_cache");
   // A plan of equal widths given narrow tensors.
   expect_invalid(
-      [&] { run_ragged_prefill(ragged_plan, q, k, v_narrow, qo_indptr, kv_indptr, o, lse, workspace); },
+      [&] {
+        run_ragged_prefill(ragged_plan, q, k, v_narrow, qo_indptr, kv_indptr, o, lse, workspace);
+      },
       "v");
   EXPECT_EQ(o_narrow_data, snapshot_narrow);
   // Context-parallel prefill keeps equal widths.

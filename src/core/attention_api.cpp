@@ -97,10 +97,10 @@ std::vector<int32_t> paged_kv_lens(const ArgChecker& check, std::span<const int3
       continue;
     }
     if (last_page_len[b] < 1 || last_page_len[b] > page_size) {
-      check.fail("last_page_len", "expected values in [1, page_size = " +
-                                      std::to_string(page_size) + "], got last_page_len[" +
-                                      std::to_string(b) + "] = " +
-                                      std::to_string(last_page_len[b]));
+      check.fail("last_page_len",
+                 "expected values in [1, page_size = " + std::to_string(page_size) +
+                     "], got last_page_len[" + std::to_string(b) +
+                     "] = " + std::to_string(last_page_len[b]));
     }
     const int64_t len = (pages - 1) * page_size + last_page_len[b];
     check.require(len <= INT32_MAX, "page_indptr", [&] {
@@ -209,8 +209,7 @@ void set_sinks(const ArgChecker& check, const Plan& plan, const RunOptions& run_
 
 void check_kv_dtype(const ArgChecker& check, const TensorView& k, const TensorView& v,
                     const TensorView& q, const char* k_name, const char* v_name) {
-  check.dtype_in(k, k_name,
-                 {q.dtype, DType::kFloat8E4M3, DType::kFloat8E5M2});
+  check.dtype_in(k, k_name, {q.dtype, DType::kFloat8E4M3, DType::kFloat8E5M2});
   check.dtype_is(v, v_name, k.dtype);
 }
 
@@ -364,10 +363,9 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
     const int32_t* indices = host_pages.data;
     for (int32_t i = 0; i < indptr.back(); ++i) {
       if (indices[i] < 0 || indices[i] >= num_pages) {
-        check.fail("page_indices", "entry " + std::to_string(i) + " = " +
-                                       std::to_string(indices[i]) +
-                                       " is out of range [0, num_pages = " +
-                                       std::to_string(num_pages) + ")");
+        check.fail("page_indices",
+                   "entry " + std::to_string(i) + " = " + std::to_string(indices[i]) +
+                       " is out of range [0, num_pages = " + std::to_string(num_pages) + ")");
       }
     }
   }
@@ -459,8 +457,8 @@ PlanCapacity plan_capacity(AttentionOp op, int max_batch, int64_t max_total_q, i
                 [&] { return "expected >= 0, got " + std::to_string(max_kv_len); });
   PlanConfig config = detail::plan_config_for(op, device, num_qo_heads, num_kv_heads, head_dim);
   if (deterministic) config.deterministic = true;
-  PlanCapacity capacity = detail::capacity_bound(max_batch, max_total_q, max_kv_len,
-                                                 num_qo_heads, num_kv_heads, config);
+  PlanCapacity capacity = detail::capacity_bound(max_batch, max_total_q, max_kv_len, num_qo_heads,
+                                                 num_kv_heads, config);
   capacity.deterministic = deterministic;
   return capacity;
 }
@@ -475,7 +473,9 @@ void upload_plan(Plan& plan, Workspace workspace, void* stream) {
   plan.uploaded_workspace = plan.upload_generation != 0 ? workspace.data : nullptr;
 }
 
-void forget_uploads(const void* workspace) { detail::dispatch_forget_uploads(workspace); }
+void forget_uploads(const void* workspace) {
+  detail::dispatch_forget_uploads(workspace);
+}
 
 // ---------------------------------------------------------------- run
 
@@ -490,9 +490,9 @@ void run_ragged_prefill(const Plan& plan, const TensorView& q, const TensorView&
   const int64_t total_kv = total_of(plan.kv_lens);
   for (const auto& [view, name] : {std::pair{k, "k"}, {v, "v"}}) {
     const bool is_k = name[0] == 'k';
-    check.tensor(view, name, 3,
-                 is_k ? "[total_kv, num_kv_heads, head_dim]"
-                      : "[total_kv, num_kv_heads, head_dim_vo]");
+    check.tensor(
+        view, name, 3,
+        is_k ? "[total_kv, num_kv_heads, head_dim]" : "[total_kv, num_kv_heads, head_dim_vo]");
     check.device_is(view, name, plan.device);
     check.dim_is(view, name, 1, plan.num_kv_heads, "num_kv_heads of the plan");
     check.dim_is(view, name, 2, is_k ? plan.head_dim : plan.head_dim_v(),
@@ -546,14 +546,13 @@ void run_paged_prefill(const Plan& plan, const TensorView& q, const PagedKVCache
       workspace, stream);
 }
 
-void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv,
-                const TensorView& o, const TensorView& lse, Workspace workspace, void* stream,
+void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv, const TensorView& o,
+                const TensorView& lse, Workspace workspace, void* stream,
                 const RunOptions& run_options) {
-  detail::dispatch_attention(
-      plan,
-      detail::prepare_paged_run(AttentionOp::kDecode, plan, q, kv, {}, o, lse, workspace, stream,
-                                run_options),
-      workspace, stream);
+  detail::dispatch_attention(plan,
+                             detail::prepare_paged_run(AttentionOp::kDecode, plan, q, kv, {}, o,
+                                                       lse, workspace, stream, run_options),
+                             workspace, stream);
 }
 
 void detail::check_run_outputs(const ArgChecker& check, const Plan& plan, const TensorView& q,
@@ -562,12 +561,10 @@ void detail::check_run_outputs(const ArgChecker& check, const Plan& plan, const 
 }
 
 detail::AttentionProblem detail::prepare_paged_run(AttentionOp op, const Plan& plan,
-                                                   const TensorView& q,
-                                                   const PagedKVCache& kv,
-                                                   const TensorView& qo_indptr,
-                                                   const TensorView& o, const TensorView& lse,
-                                                   Workspace workspace, void* stream,
-                                                   const RunOptions& run_options) {
+                                                   const TensorView& q, const PagedKVCache& kv,
+                                                   const TensorView& qo_indptr, const TensorView& o,
+                                                   const TensorView& lse, Workspace workspace,
+                                                   void* stream, const RunOptions& run_options) {
   const bool decode = op == AttentionOp::kDecode;
   const ArgChecker check(decode ? "run_decode" : "run_paged_prefill");
   check_plan_op(check, plan, op);
@@ -600,11 +597,13 @@ void check_one_shot_q(const ArgChecker& check, const TensorView& q) {
 }
 
 // A one-shot call without options.head_dim_vo takes it from v's (or v_cache's) last dimension,
-// as FlashAttention does; a malformed v is left to the run's checks.
-AttentionOptions one_shot_options(const AttentionOptions& options, const TensorView& v,
-                                  int64_t head_dim) {
+// as FlashAttention does, where k's matches q's (otherwise k is the argument in error, and the
+// run's checks name it); a malformed v is left to those checks too.
+AttentionOptions one_shot_options(const AttentionOptions& options, const TensorView& k,
+                                  const TensorView& v, int64_t head_dim) {
   AttentionOptions resolved = options;
-  if (resolved.head_dim_vo == 0 && v.ndim >= 1 && v.shape[v.ndim - 1] != head_dim &&
+  const bool k_matches = k.ndim >= 1 && k.shape[k.ndim - 1] == head_dim;
+  if (resolved.head_dim_vo == 0 && k_matches && v.ndim >= 1 && v.shape[v.ndim - 1] != head_dim &&
       v.shape[v.ndim - 1] > 0 && v.shape[v.ndim - 1] <= INT32_MAX) {
     resolved.head_dim_vo = static_cast<int32_t>(v.shape[v.ndim - 1]);
   }
@@ -614,8 +613,8 @@ AttentionOptions one_shot_options(const AttentionOptions& options, const TensorV
 // One-shot calls read the index arrays before planning: their totals must fit the tensors
 // first, or a corrupt array (qo_indptr[B] = 2^31 - 1 for a 10-row q) would make the planner
 // build a work list of millions of tiles before the run-time checks reject the call.
-void check_total_fits(const ArgChecker& check, const std::vector<int32_t>& indptr,
-                      const char* arg, int64_t available, const char* what, bool exact) {
+void check_total_fits(const ArgChecker& check, const std::vector<int32_t>& indptr, const char* arg,
+                      int64_t available, const char* what, bool exact) {
   if (indptr.empty()) return;  // rejected by the planner's checks with a clearer message
   const int64_t total = indptr.back();
   if (exact ? total != available : total > available) {
@@ -643,9 +642,8 @@ void ragged_prefill(const TensorView& q, const TensorView& k, const TensorView& 
   check_total_fits(check, qo, "qo_indptr", q.shape[0], "rows of q", /*exact=*/true);
   check_total_fits(check, kvp, "kv_indptr", k.shape[0], "rows of k", /*exact=*/false);
   const Plan plan = plan_ragged_prefill(qo, kvp, static_cast<int>(q.shape[1]),
-                                        static_cast<int>(k.shape[1]),
-                                        static_cast<int>(q.shape[2]),
-                                        one_shot_options(options, v, q.shape[2]), q.device);
+                                        static_cast<int>(k.shape[1]), static_cast<int>(q.shape[2]),
+                                        one_shot_options(options, k, v, q.shape[2]), q.device);
   detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_ragged_prefill(plan, q, k, v, qo_indptr, kv_indptr, o, lse, scratch.workspace(), stream,
                      run_options);
@@ -657,13 +655,11 @@ int kv_heads_of(const ArgChecker& check, const PagedKVCache& kv) {
   check.tensor(kv.k_cache, "k_cache", 4,
                "[num_pages, page_size, num_kv_heads, head_dim] (NHD) or "
                "[num_pages, num_kv_heads, page_size, head_dim] (HND)");
-  return static_cast<int>(kv.layout == KVLayout::kNHD ? kv.k_cache.shape[2]
-                                                      : kv.k_cache.shape[1]);
+  return static_cast<int>(kv.layout == KVLayout::kNHD ? kv.k_cache.shape[2] : kv.k_cache.shape[1]);
 }
 
 int page_size_of(const PagedKVCache& kv) {
-  return static_cast<int>(kv.layout == KVLayout::kNHD ? kv.k_cache.shape[1]
-                                                      : kv.k_cache.shape[2]);
+  return static_cast<int>(kv.layout == KVLayout::kNHD ? kv.k_cache.shape[1] : kv.k_cache.shape[2]);
 }
 
 }  // namespace
@@ -684,19 +680,18 @@ void paged_prefill(const TensorView& q, const PagedKVCache& kv, const TensorView
   const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
   check.index_array(kv.page_indices, "page_indices", -1, q.device);
   check_total_fits(check, qo, "qo_indptr", q.shape[0], "rows of q", /*exact=*/true);
-  check_total_fits(check, pages, "page_indptr", kv.page_indices.shape[0],
-                   "entries of page_indices", /*exact=*/false);
+  check_total_fits(check, pages, "page_indptr", kv.page_indices.shape[0], "entries of page_indices",
+                   /*exact=*/false);
   const Plan plan =
       plan_paged_prefill(qo, pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
                          num_kv_heads, static_cast<int>(q.shape[2]),
-                         one_shot_options(options, kv.v_cache, q.shape[2]), q.device);
+                         one_shot_options(options, kv.k_cache, kv.v_cache, q.shape[2]), q.device);
   detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_paged_prefill(plan, q, kv, qo_indptr, o, lse, scratch.workspace(), stream, run_options);
 }
 
-void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
-            const TensorView& lse, const AttentionOptions& options, void* stream,
-            const RunOptions& run_options) {
+void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o, const TensorView& lse,
+            const AttentionOptions& options, void* stream, const RunOptions& run_options) {
   const ArgChecker check("decode");
   check_one_shot_q(check, q);
   detail::check_device_usable(check, q.device);  // before any CUDA call
@@ -717,12 +712,12 @@ void decode(const TensorView& q, const PagedKVCache& kv, const TensorView& o,
   const std::vector<int32_t> pages = detail::read_int32_array(kv.page_indptr, stream);
   const std::vector<int32_t> last = detail::read_int32_array(kv.last_page_len, stream);
   check.index_array(kv.page_indices, "page_indices", -1, q.device);
-  check_total_fits(check, pages, "page_indptr", kv.page_indices.shape[0],
-                   "entries of page_indices", /*exact=*/false);
+  check_total_fits(check, pages, "page_indptr", kv.page_indices.shape[0], "entries of page_indices",
+                   /*exact=*/false);
   const Plan plan = plan_decode(pages, last, page_size_of(kv), static_cast<int>(q.shape[1]),
                                 num_kv_heads, static_cast<int>(q.shape[2]),
-                                one_shot_options(options, kv.v_cache, q.shape[2]), q.device,
-                                static_cast<int>(q_per_request));
+                                one_shot_options(options, kv.k_cache, kv.v_cache, q.shape[2]),
+                                q.device, static_cast<int>(q_per_request));
   detail::ScratchBuffer scratch(check, q.device, plan.workspace_bytes);
   run_decode(plan, q, kv, o, lse, scratch.workspace(), stream, run_options);
 }

@@ -19,7 +19,9 @@ using detail::ArgChecker;
 constexpr int kMaxLevels = 16;
 constexpr size_t kAlign = 256;
 
-size_t align_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+size_t align_up(size_t bytes) {
+  return (bytes + kAlign - 1) / kAlign * kAlign;
+}
 
 std::string level_arg(int level, const char* name) {
   return "levels[" + std::to_string(level) + "]." + name;
@@ -50,8 +52,8 @@ StateViews state_views(const CascadePlan& plan, Workspace workspace, size_t offs
   char* base = static_cast<char*>(workspace.data) + offset;
   // o rows are v-width (the levels' head_dim_vo).
   const int64_t rows = plan.total_q, heads = plan.num_qo_heads, dim = plan.levels[0].head_dim_v();
-  const size_t o_bytes =
-      align_up(static_cast<size_t>(rows) * static_cast<size_t>(heads) * static_cast<size_t>(dim) * 4);
+  const size_t o_bytes = align_up(static_cast<size_t>(rows) * static_cast<size_t>(heads) *
+                                  static_cast<size_t>(dim) * 4);
   StateViews views;
   views.o = make_view(base, dtype, {rows, heads, dim}, plan.device);
   views.lse = make_view(base + o_bytes, DType::kFloat32, {rows, heads}, plan.device);
@@ -85,11 +87,13 @@ CascadePlan plan_cascade(std::span<const CascadeLevelLengths> levels, int page_s
     return "expected 1.." + std::to_string(kMaxLevels) + " levels, got " +
            std::to_string(levels.size());
   });
-  check.require(options.window_left == -1 && options.window_right == -1, "options.window_left", [&] {
-    return "a sliding window is not supported by cascade attention (a window over the "
-           "concatenated levels is not a per-level mask); got window (" +
-           std::to_string(options.window_left) + ", " + std::to_string(options.window_right) + ")";
-  });
+  check.require(
+      options.window_left == -1 && options.window_right == -1, "options.window_left", [&] {
+        return "a sliding window is not supported by cascade attention (a window over the "
+               "concatenated levels is not a per-level mask); got window (" +
+               std::to_string(options.window_left) + ", " + std::to_string(options.window_right) +
+               ")";
+      });
   CascadePlan plan;
   plan.page_size = page_size;
   plan.num_qo_heads = num_qo_heads;
@@ -165,10 +169,9 @@ void run_cascade(const CascadePlan& plan, const TensorView& q, const TensorView&
            std::to_string(levels.size());
   });
   // Masks index a request's own keys; a cascade level sees only part of them.
-  for (const auto& [mask, name] :
-       {std::pair{run_options.custom_mask, "run_options.custom_mask"},
-        {run_options.mask_indptr, "run_options.mask_indptr"},
-        {run_options.tree_mask, "run_options.tree_mask"}}) {
+  for (const auto& [mask, name] : {std::pair{run_options.custom_mask, "run_options.custom_mask"},
+                                   {run_options.mask_indptr, "run_options.mask_indptr"},
+                                   {run_options.tree_mask, "run_options.tree_mask"}}) {
     check.require(!has_value(mask), name,
                   "cascade attention takes no custom or tree mask (run the request's own "
                   "plan_paged_prefill / plan_decode with it)");
@@ -186,18 +189,18 @@ void run_cascade(const CascadePlan& plan, const TensorView& q, const TensorView&
                 "data pointer is null");
   auto cache_of = [&](int l) {
     const CascadeLevel& level = levels[static_cast<size_t>(l)];
-    return PagedKVCache{k_cache, v_cache, layout, level.page_indptr, level.page_indices,
-                        level.last_page_len};
+    return PagedKVCache{
+        k_cache, v_cache, layout, level.page_indptr, level.page_indices, level.last_page_len};
   };
   // The sink joins the softmax once: in the last level's state.
   RunOptions upper_options = run_options;
   upper_options.sinks = TensorView{};
   std::vector<StateViews> states;
   for (int l = 0; l < num_levels; ++l) {
-    states.push_back(num_levels == 1
-                         ? StateViews{o, lse}
-                         : state_views(plan, workspace, plan.state_offsets[static_cast<size_t>(l)],
-                                       q.dtype));
+    states.push_back(
+        num_levels == 1
+            ? StateViews{o, lse}
+            : state_views(plan, workspace, plan.state_offsets[static_cast<size_t>(l)], q.dtype));
   }
   // Every level is checked before any runs: a bad argument writes nothing, workspace included.
   std::vector<detail::AttentionProblem> problems;
@@ -205,16 +208,16 @@ void run_cascade(const CascadePlan& plan, const TensorView& q, const TensorView&
     for_level(l, [&] {
       const Plan& level = plan.levels[static_cast<size_t>(l)];
       problems.push_back(detail::prepare_paged_run(
-          level.op, level, q, cache_of(l),
-          levels[static_cast<size_t>(l)].qo_indptr, states[static_cast<size_t>(l)].o,
-          states[static_cast<size_t>(l)].lse, level_workspace(plan, l, workspace), stream,
+          level.op, level, q, cache_of(l), levels[static_cast<size_t>(l)].qo_indptr,
+          states[static_cast<size_t>(l)].o, states[static_cast<size_t>(l)].lse,
+          level_workspace(plan, l, workspace), stream,
           l + 1 == num_levels ? run_options : upper_options));
     });
   }
   for (int l = 0; l < num_levels; ++l) {
     detail::dispatch_attention(plan.levels[static_cast<size_t>(l)],
-                               problems[static_cast<size_t>(l)], level_workspace(plan, l, workspace),
-                               stream);
+                               problems[static_cast<size_t>(l)],
+                               level_workspace(plan, l, workspace), stream);
   }
   if (num_levels == 1) return;
   if (num_levels == 2) {
@@ -225,8 +228,7 @@ void run_cascade(const CascadePlan& plan, const TensorView& q, const TensorView&
   const StateViews acc[2] = {
       state_views(plan, workspace, plan.accumulator_offset, DType::kFloat32),
       state_views(plan, workspace, plan.accumulator_offset + half, DType::kFloat32)};
-  merge_state(states[0].o, states[0].lse, states[1].o, states[1].lse, acc[0].o, acc[0].lse,
-              stream);
+  merge_state(states[0].o, states[0].lse, states[1].o, states[1].lse, acc[0].o, acc[0].lse, stream);
   for (int l = 2; l < num_levels; ++l) {
     const StateViews& in = acc[l % 2];
     const StateViews& next = acc[(l + 1) % 2];

@@ -211,8 +211,8 @@ class LptWorkers {
   const int shift_;
   const int32_t block_;
   const Key worker_mask_;
-  Key largest_ = 0;    // the largest key: the busiest worker
-  int32_t idle_ = 0;   // workers idle_.. have had no item yet
+  Key largest_ = 0;   // the largest key: the busiest worker
+  int32_t idle_ = 0;  // workers idle_.. have had no item yet
 };
 
 // LptWorkers' geometry for items that come `per_piece` at a time (kv heads of a piece): blocks
@@ -310,7 +310,8 @@ bool make_sections(const PlanShape& shape, const std::vector<QueryTile>& tiles,
                    const std::vector<Piece>& sorted_pieces, int32_t heads, int64_t budget,
                    Sections& sec) {
   if (budget <= 0) return false;
-  const int32_t head_dim_v = shape.options.head_dim_vo > 0 ? shape.options.head_dim_vo : shape.head_dim;
+  const int32_t head_dim_v =
+      shape.options.head_dim_vo > 0 ? shape.options.head_dim_vo : shape.head_dim;
   const int64_t per_key = kSectionElementBytes * (shape.head_dim + head_dim_v);  // K and V
   int64_t largest = 0, total = 0;
   for (int32_t kv_len : shape.kv_lens) {

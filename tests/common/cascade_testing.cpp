@@ -64,7 +64,8 @@ CascadeCase random_cascade_case(std::mt19937_64& rng, const RandomCascadeOptions
   c.head_dim = kDims[draw(rng, 0, 3)];
   static constexpr int32_t kPages[] = {1, 7, 16, 64, 128};
   c.page_size = kPages[draw(rng, 0, 4)];
-  c.dtype = options.dtypes[static_cast<size_t>(draw(rng, 0, static_cast<int32_t>(options.dtypes.size()) - 1))];
+  c.dtype = options.dtypes[static_cast<size_t>(
+      draw(rng, 0, static_cast<int32_t>(options.dtypes.size()) - 1))];
   c.layout = draw(rng, 0, 1) ? KVLayout::kHND : KVLayout::kNHD;
   c.causal = draw(rng, 0, 1) == 1;
   c.soft_cap = draw(rng, 0, 3) == 0 ? 2.0f : 0.0f;
@@ -117,7 +118,8 @@ CascadeData make_cascade_data(const CascadeCase& c, std::mt19937_64& rng) {
   std::vector<std::vector<int32_t>> pages_of;  // per (level, group), flattened below
   int64_t needed = 0;
   for (int l = 0; l < c.num_levels(); ++l) {
-    for (int32_t len : c.kv_lens[static_cast<size_t>(l)]) needed += (len + c.page_size - 1) / c.page_size;
+    for (int32_t len : c.kv_lens[static_cast<size_t>(l)])
+      needed += (len + c.page_size - 1) / c.page_size;
   }
   const int64_t spare = draw(rng, 0, 3);
   data.num_pages = needed + spare;
@@ -153,7 +155,8 @@ CascadeData make_cascade_data(const CascadeCase& c, std::mt19937_64& rng) {
       indptr.push_back(static_cast<int32_t>(indices.size()));
       last.push_back(pages == 0 ? 1 : len - (pages - 1) * c.page_size);
       for (int32_t j = 0; j < len; ++j) {
-        const int64_t page = indices[static_cast<size_t>(indptr[indptr.size() - 2] + j / c.page_size)];
+        const int64_t page =
+            indices[static_cast<size_t>(indptr[indptr.size() - 2] + j / c.page_size)];
         const int64_t slot = j % c.page_size;
         for (int32_t h = 0; h < c.num_kv_heads; ++h) {
           const int64_t row = c.layout == KVLayout::kNHD
@@ -193,8 +196,8 @@ CascadeExpected reference_cascade(const CascadeData& data) {
   expected.empty.assign(static_cast<size_t>(total_q * hq), 0);
   const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
   auto key_row = [&](int l, size_t g, int32_t j, int32_t h) {
-    const int32_t page =
-        data.page_indices[static_cast<size_t>(l)][static_cast<size_t>(data.page_indptr[static_cast<size_t>(l)][g] + j / c.page_size)];
+    const int32_t page = data.page_indices[static_cast<size_t>(l)][static_cast<size_t>(
+        data.page_indptr[static_cast<size_t>(l)][g] + j / c.page_size)];
     const int64_t slot = j % c.page_size;
     return c.layout == KVLayout::kNHD ? (int64_t{page} * c.page_size + slot) * hk + h
                                       : (int64_t{page} * hk + h) * c.page_size + slot;
@@ -216,7 +219,8 @@ CascadeExpected reference_cascade(const CascadeData& data) {
             const int64_t kr = key_row(l, g, j, kvh);
             double s = 0;
             for (int32_t d = 0; d < dim; ++d) {
-              s += static_cast<double>(detail::load_as_float(data.q.data(), c.dtype, (row * hq + h) * dim + d)) *
+              s += static_cast<double>(
+                       detail::load_as_float(data.q.data(), c.dtype, (row * hq + h) * dim + d)) *
                    detail::load_as_float(data.k_pool.data(), c.dtype, kr * dim + d);
             }
             s *= scale;
@@ -260,8 +264,10 @@ std::string compare_cascade(const CascadeData& data, const CascadeExpected& expe
     const bool check_lse = c.with_lse && !lse.empty();
     if (expected.empty[r]) {
       for (size_t d = 0; d < dim; ++d) {
-        const float value = detail::load_as_float(o.data(), c.dtype, static_cast<int64_t>(r * dim + d));
-        if (value != 0.0f) return "row " + std::to_string(r) + " saw no key but o = " + std::to_string(value);
+        const float value =
+            detail::load_as_float(o.data(), c.dtype, static_cast<int64_t>(r * dim + d));
+        if (value != 0.0f)
+          return "row " + std::to_string(r) + " saw no key but o = " + std::to_string(value);
       }
       // lse is the sink (or -inf without one): exact for -inf, within float rounding of the
       // sink otherwise (the GPU kernels fold it in float arithmetic).
@@ -276,7 +282,8 @@ std::string compare_cascade(const CascadeData& data, const CascadeExpected& expe
       continue;
     }
     for (size_t d = 0; d < dim; ++d) {
-      const double value = detail::load_as_float(o.data(), c.dtype, static_cast<int64_t>(r * dim + d));
+      const double value =
+          detail::load_as_float(o.data(), c.dtype, static_cast<int64_t>(r * dim + d));
       if (!std::isfinite(value)) return "row " + std::to_string(r) + " o is not finite";
       const double want = expected.o[r * dim + d];
       err += (value - want) * (value - want);
