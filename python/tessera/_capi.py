@@ -154,6 +154,17 @@ class RunOptions(ctypes.Structure):
                 ("mask_indptr", _DLTensorP), ("tree_mask", _DLTensorP)]
 
 
+class PlanOptions(ctypes.Structure):
+    """``tessera_plan_options`` (plan-time options of the *_v2 plan calls: head_dim_vo)."""
+
+    _fields_ = [("struct_size", ctypes.c_size_t), ("head_dim_vo", ctypes.c_int32)]
+
+
+def plan_options(head_dim_vo: int = 0) -> PlanOptions:
+    """A ``tessera_plan_options`` with ``head_dim_vo`` (0: head_dim)."""
+    return PlanOptions(ctypes.sizeof(PlanOptions), head_dim_vo)
+
+
 class CascadeLevelLengths(ctypes.Structure):
     """``tessera_cascade_level_lengths``: host lengths of one cascade level."""
 
@@ -269,6 +280,18 @@ _PROTOTYPES: Dict[str, tuple] = {
         [_I32P, _I32P, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
          ctypes.c_int, _OPTS_P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_VOIDP)],
     ),
+    "tessera_plan_ragged_prefill_v2": (
+        _STATUS,
+        [_I32P, _I32P, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, _OPTS_P,
+         ctypes.POINTER(PlanOptions), ctypes.c_int, ctypes.c_int, ctypes.POINTER(_VOIDP)],
+    ),
+    "tessera_plan_paged_prefill_v2": (
+        _STATUS,
+        [_I32P, _I32P, _I32P, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+         ctypes.c_int, _OPTS_P, ctypes.POINTER(PlanOptions), ctypes.c_int, ctypes.c_int,
+         ctypes.POINTER(_VOIDP)],
+    ),
+    "tessera_plan_head_dim_vo": (ctypes.c_int32, [_VOIDP]),
     "tessera_plan_cascade": (
         _STATUS,
         [ctypes.POINTER(CascadeLevelLengths), ctypes.c_int, ctypes.c_int, ctypes.c_int,

@@ -111,7 +111,8 @@ def varlen_attention(
     Args:
         q: ``[total_q, num_heads, head_dim]`` fp16/bf16 (fp32 too on the CPU).
         k, v: ``[total_k, num_kv_heads, head_dim]``, q's dtype (or an fp8 e4m3/e5m2 KV with
-            ``k_scale``/``v_scale``). ``num_heads`` must be a multiple of ``num_kv_heads``
+            ``k_scale``/``v_scale``); v's head_dim (head_dim_vo) may differ from q's and k's
+            (e.g. 192 / 128; CPU only for now), and o then has v's. ``num_heads`` must be a multiple of ``num_kv_heads``
             (GQA/MQA). Token and head strides are honoured (views of a fused QKV buffer need no
             copy); the last dimension must be contiguous.
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch_size + 1]`` cumulative lengths starting at 0.
@@ -128,7 +129,7 @@ def varlen_attention(
             ``learnable_sink``). A row without keys then gets o = 0, lse = the sink.
 
     Returns:
-        ``o`` ``[total_q, num_heads, head_dim]`` in q's dtype, or ``(o, lse)``.
+        ``o`` ``[total_q, num_heads, head_dim_vo]`` in q's dtype, or ``(o, lse)``.
 
     Raises:
         ValueError: a bad argument (the message names it), or a request this build or device
@@ -141,11 +142,14 @@ def varlen_attention(
     k_dl = to_dl(k, "k")
     v_dl = to_dl(v, "v")
     k_shape = require_ndim(k_dl, (3,), "k", "[total_k, num_kv_heads, head_dim]")
+    v_shape = require_ndim(v_dl, (3,), "v", "[total_k, num_kv_heads, head_dim_vo]")
     left, right = window_pair(window_size)
     options = attention_options(causal, left, right, softcap, softmax_scale, k_scale, v_scale,
                                 names=_FA_NAMES)
+    # o has v's width (head_dim_vo, which may differ from q's where k's matches q's).
+    head_dim_vo = v_shape[2] if k_shape[2] == q_shape[2] else q_shape[2]
     if out is None:
-        out = empty(q, q_dl, q_shape)
+        out = empty(q, q_dl, (q_shape[0], q_shape[1], head_dim_vo))
     o_dl = to_dl(out, "out", writable=True)
     lse, lse_dl = _lse_output(q, q_dl, q_shape[:2], lse, return_lse)
     stream = stream_arg(stream_of(q, q_dl))
@@ -163,10 +167,11 @@ def varlen_attention(
                              f"got shape {list(kv_host.shape)}")
         handle = ctypes.c_void_p()
         i32p = ctypes.POINTER(ctypes.c_int32)
-        check(library.tessera_plan_ragged_prefill(
+        extra = _capi.plan_options(0 if head_dim_vo == q_shape[2] else head_dim_vo)
+        check(library.tessera_plan_ragged_prefill_v2(
             qo_host.ctypes.data_as(i32p), kv_host.ctypes.data_as(i32p), qo_host.size - 1,
-            q_shape[1], k_shape[1], q_shape[2],
-            ctypes.byref(options), device_type, device_id, ctypes.byref(handle)), _VARLEN_NAMES)
+            q_shape[1], k_shape[1], q_shape[2], ctypes.byref(options), ctypes.byref(extra),
+            device_type, device_id, ctypes.byref(handle)), _VARLEN_NAMES)
         plan = Plan(handle)
         workspace = empty(q, q_dl, (max(plan.workspace_bytes, 1),), "uint8", "workspace")
         workspace_dl = to_dl(workspace, "workspace", writable=True)

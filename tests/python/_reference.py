@@ -34,7 +34,9 @@ def attention_ref(
     q = np.asarray(q, np.float64)
     total_q, heads, dim = q.shape
     scale = 1.0 / math.sqrt(dim) if sm_scale is None else sm_scale
-    o = np.zeros((total_q, heads, dim))
+    # o rows have v's width (head_dim_vo), which may differ from q's.
+    dim_v = np.shape(k_rows[0][1])[-1] if k_rows else (dim if v is None else v.shape[-1])
+    o = np.zeros((total_q, heads, dim_v))
     lse = np.full((total_q, heads), -np.inf)
     q_start = kv_start = 0
     for b, (lq, lk) in enumerate(zip(q_lens, kv_lens)):

@@ -384,7 +384,7 @@ def test_unsupported_flashinfer_options(rng, workspace):
     with pytest.raises(ValueError, match="custom_mask"):  # 4 x 4 bits expected (test_masks.py)
         ragged.plan([0, 4], [0, 4], 2, 1, 16, custom_mask=np.ones(15, bool))
     with pytest.raises(ValueError, match="head_dim_vo"):
-        ragged.plan([0, 4], [0, 4], 2, 1, 16, head_dim_vo=32)
+        ragged.plan([0, 4], [0, 4], 2, 1, 16, head_dim_vo=12)  # a multiple of 8 expected
     with pytest.raises(ValueError, match="kv_layout"):
         tessera.BatchDecodeWithPagedKVCacheWrapper(workspace, "NDH")
     # FlashInfer's CUDA-graph mask buffers are accepted (each plan keeps its own mask arrays).

@@ -56,6 +56,13 @@ def _check_pos_encoding(pos_encoding_mode: str, rope_scale: Any, rope_theta: Any
 
 
 def _check_head_dim_vo(head_dim_qk: int, head_dim_vo: Optional[int]) -> None:
+    """For the wrappers that keep equal widths (decode, cascade)."""
     if head_dim_vo is not None and head_dim_vo != head_dim_qk:
         raise ValueError(f"'head_dim_vo': must equal head_dim_qk ({head_dim_qk}), got "
                          f"{head_dim_vo}")
+
+
+def _head_dim_vo(head_dim_vo: Optional[int]) -> int:
+    """The prefill wrappers' head_dim_vo for tessera_plan_options (0: head_dim_qk); its range
+    is checked by the C ABI, which names options.head_dim_vo."""
+    return 0 if head_dim_vo is None else _int_arg(head_dim_vo, "head_dim_vo")

@@ -156,6 +156,7 @@ class _Wrapper:
         self._fast: Any = None  # the C fast path's runner of the current plan (see _fast.py)
         # The current plan's custom / tree mask (_masks.PlannedMasks), passed to every run.
         self._masks: Any = None
+        self._out_dim: Optional[int] = None  # o's last dim when head_dim_vo != head_dim_qk
         self.reset_workspace_buffer(float_workspace_buffer)
 
     # -- workspace ----------------------------------------------------------------------------
@@ -254,6 +255,14 @@ class _Wrapper:
         """The plan's index array descriptors in the order of the C run function."""
         raise NotImplementedError
 
+    def _stage_out_dim(self, head_dim_qk: int, head_dim_vo: int) -> Callable[[], None]:
+        """What puts the plan's o width in place (None: q's; see _outputs)."""
+        out_dim = head_dim_vo if head_dim_vo not in (0, head_dim_qk) else None
+
+        def put() -> None:
+            self._out_dim = out_dim
+        return put
+
     def _stage_masks(self, masks: Any) -> Callable[[], None]:
         """What puts a plan's masks (or None) in place with its index arrays."""
         def put() -> None:
@@ -265,8 +274,8 @@ class _Wrapper:
         (None when the extension is not available, or when the plan has a mask: the fast path
         passes no run options, so such runs take the ctypes path)."""
         assert self._plan is not None
-        if self._masks is not None:
-            self._fast = None
+        if self._masks is not None or self._out_dim is not None:
+            self._fast = None  # (the fast path allocates o like q)
             return
         self._fast = _fast.runner(self._run_symbol, self._plan, self._workspace_ptr,
                                   self._workspace_bytes, self._layout, self._index_descriptors(),
@@ -299,8 +308,13 @@ class _Wrapper:
     def _outputs(self, q: ArrayLike, q_dl: DLTensor, out: Optional[ArrayLike],
                  lse: Optional[ArrayLike], return_lse: bool):
         """run()'s outputs and their descriptors: ``out``/``lse`` when given (descriptors from
-        the cache: the static-buffer pattern), else fresh arrays like q."""
-        if out is None:
+        the cache: the static-buffer pattern), else fresh arrays like q (of the plan's
+        head_dim_vo in the last dimension)."""
+        if out is None and self._out_dim is not None:
+            shape = shape_of(q_dl)
+            out = empty(q, q_dl, (shape[0], shape[1], self._out_dim))
+            o_dl = to_dl(out, "out", writable=True)
+        elif out is None:
             kind = _KIND_CACHE.get(type(q))
             if kind == "numpy":
                 out = np.empty(q.shape, q.dtype)

@@ -19,7 +19,7 @@ from ._args import (
     _PLAN_NAMES,
     _RUN_NAMES,
     ArrayLike,
-    _check_head_dim_vo,
+    _head_dim_vo,
     _check_pos_encoding,
     _int_arg,
 )
@@ -91,7 +91,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         included: a request's keys are its ``kv_len`` cached tokens, in page-table order)."""
         del use_fp16_qk_reduction, q_data_type, kv_data_type, non_blocking
         _check_pos_encoding(pos_encoding_mode, rope_scale, rope_theta)
-        _check_head_dim_vo(head_dim_qk, head_dim_vo)
+        vo = _head_dim_vo(head_dim_vo)
         qo_host = to_host_int32(qo_indptr, "qo_indptr").reshape(-1)
         indptr_host = to_host_int32(paged_kv_indptr, "paged_kv_indptr").reshape(-1)
         last_host = to_host_int32(paged_kv_last_page_len, "paged_kv_last_page_len").reshape(-1)
@@ -104,13 +104,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         options = attention_options(causal, window_left, -1, logits_soft_cap, sm_scale, k_scale,
                                     v_scale, names=_OPTION_ARG_NAMES)
         handle = ctypes.c_void_p()
-        check(_capi.lib().tessera_plan_paged_prefill(
+        extra = _capi.plan_options(vo)
+        check(_capi.lib().tessera_plan_paged_prefill_v2(
             qo_host.ctypes.data_as(_I32P), indptr_host.ctypes.data_as(_I32P),
             last_host.ctypes.data_as(_I32P), max(qo_host.size - 1, 0),
             _int_arg(page_size, "page_size"), _int_arg(num_qo_heads, "num_qo_heads"),
             _int_arg(num_kv_heads, "num_kv_heads"), _int_arg(head_dim_qk, "head_dim_qk"),
-            ctypes.byref(options), self._device[0], self._device[1], ctypes.byref(handle)),
-            dict(_PLAN_NAMES, head_dim="head_dim_qk"))
+            ctypes.byref(options), ctypes.byref(extra), self._device[0], self._device[1],
+            ctypes.byref(handle)),
+            dict(_PLAN_NAMES, head_dim="head_dim_qk", **{"options.head_dim_vo": "head_dim_vo"}))
         plan = self._new_plan(handle)
         pages = np.diff(indptr_host).astype(np.int64)
         kv_lens = np.where(pages > 0, (pages - 1) * int(page_size) + last_host, 0)
@@ -121,6 +123,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedWrapper):
         staged += self._stage_pages(paged_kv_indptr, indptr_host, paged_kv_indices,
                                     paged_kv_last_page_len, last_host)
         staged.append(self._stage_masks(masks))
+        staged.append(self._stage_out_dim(int(head_dim_qk), vo))
         self._install(plan, options, staged)
 
     def _index_descriptors(self) -> List[DLTensor]:

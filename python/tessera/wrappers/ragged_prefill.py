@@ -18,7 +18,7 @@ from ._args import (
     _PLAN_NAMES,
     _RUN_NAMES,
     ArrayLike,
-    _check_head_dim_vo,
+    _head_dim_vo,
     _check_pos_encoding,
     _int_arg,
 )
@@ -86,8 +86,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
 
         Args:
             qo_indptr, kv_indptr: ``[batch_size + 1]`` cumulative query / key lengths.
-            num_qo_heads, num_kv_heads, head_dim_qk: problem shape (``head_dim_vo`` must equal
-                ``head_dim_qk``).
+            num_qo_heads, num_kv_heads, head_dim_qk: problem shape. head_dim_vo: width of v
+                and o rows when it differs from head_dim_qk (None: equal; e.g. 192 / 128); CPU
+                only for now (a CUDA workspace's plan raises UnsupportedError naming it); such
+                runs take the ctypes path and allocate o ``[total_q, num_qo_heads,
+                head_dim_vo]``.
             causal: causal mask aligned bottom-right. window_left: sliding window (-1 = off).
             custom_mask: FlashInfer's custom mask: booleans, every request's ``[q_len,
                 kv_len]`` matrix (True: query row i sees key j) flattened and concatenated; packed
@@ -106,7 +109,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         """
         del use_fp16_qk_reduction, q_data_type, kv_data_type
         _check_pos_encoding(pos_encoding_mode, rope_scale, rope_theta)
-        _check_head_dim_vo(head_dim_qk, head_dim_vo)
+        vo = _head_dim_vo(head_dim_vo)
         qo_host = to_host_int32(qo_indptr, "qo_indptr").reshape(-1)
         kv_host = to_host_int32(kv_indptr, "kv_indptr").reshape(-1)
         if kv_host.size != qo_host.size:
@@ -115,18 +118,21 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         options = attention_options(causal, window_left, -1, logits_soft_cap, sm_scale, k_scale,
                                     v_scale, names=_OPTION_ARG_NAMES)
         handle = ctypes.c_void_p()
-        check(_capi.lib().tessera_plan_ragged_prefill(
+        extra = _capi.plan_options(vo)
+        check(_capi.lib().tessera_plan_ragged_prefill_v2(
             qo_host.ctypes.data_as(_I32P), kv_host.ctypes.data_as(_I32P), max(qo_host.size - 1, 0),
             _int_arg(num_qo_heads, "num_qo_heads"), _int_arg(num_kv_heads, "num_kv_heads"),
-            _int_arg(head_dim_qk, "head_dim_qk"), ctypes.byref(options), self._device[0],
-            self._device[1], ctypes.byref(handle)), dict(_PLAN_NAMES, head_dim="head_dim_qk"))
+            _int_arg(head_dim_qk, "head_dim_qk"), ctypes.byref(options), ctypes.byref(extra),
+            self._device[0], self._device[1], ctypes.byref(handle)),
+            dict(_PLAN_NAMES, head_dim="head_dim_qk", **{"options.head_dim_vo": "head_dim_vo"}))
         plan = self._new_plan(handle)
         # After the plan checked the lengths; before anything of the wrapper changes.
         masks = plan_custom_mask(custom_mask, packed_custom_mask, mask_indptr, np.diff(qo_host),
                                  np.diff(kv_host), self._workspace, self._workspace_dl)
         self._install(plan, options, [self._qo_indptr.stage(self, qo_indptr, qo_host),
                                       self._kv_indptr.stage(self, kv_indptr, kv_host),
-                                      self._stage_masks(masks)])
+                                      self._stage_masks(masks),
+                                      self._stage_out_dim(int(head_dim_qk), vo)])
 
     def _index_descriptors(self) -> List[DLTensor]:
         return [self._qo_indptr.dl, self._kv_indptr.dl]
