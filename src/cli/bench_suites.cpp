@@ -143,6 +143,8 @@ BenchCase mixed_step_case() {
 //  * chunked prefill: 8 requests, each a 512-token chunk (causal, bottom-right) on a paged
 //    prefix of 2k / 8k / 32k keys, page 16;
 //  * the mixed step of the standard suite (4 x 2048 prefill rows beside 252 decode rows);
+//  * 64 decode requests sharing a 16k prefix, plain and as a cascade, and the cascade's two
+//    levels as their own cases;
 //  * decode 1 x 1k replayed from a CUDA graph, with and without PDL.
 // Decode of `batch` requests that share a `prefix`-key prefix, each with `own` keys after it:
 // plain decode over every request's full page list, or cascade attention (issue 34 item 7).
@@ -180,6 +182,14 @@ std::vector<BenchCase> serving_cases() {
   }
   cases.push_back(mixed_step_case());
   for (bool cascade : {false, true}) cases.push_back(shared_prefix_case(64, 16384, 512, cascade));
+  // The cascade's two levels alone (where its time goes): the 64 requests' query rows as one
+  // request over the 16k prefix, and plain decode of their own 512 keys.
+  BenchCase level0 = gqa_case(AttentionOp::kPagedPrefill, 1, 64, 16384, false, 16);
+  level0.name = "cascade level 0: prefill gqa32/8 d128 p16 1x64 on 16k";
+  cases.push_back(level0);
+  BenchCase level1 = gqa_case(AttentionOp::kDecode, 64, 1, 512, false, 16);
+  level1.name = "cascade level 1: decode gqa32/8 d128 p16 64x512";
+  cases.push_back(level1);
   for (bool pdl : {false, true}) {
     BenchCase graph = gqa_case(AttentionOp::kDecode, 1, 1, 1024, false, 16);
     graph.graph = true;
