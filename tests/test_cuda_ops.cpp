@@ -17,6 +17,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/gpu_test_support.hpp"
@@ -151,6 +152,93 @@ TEST(CudaOps, RopeMatchesCpu) {
   for (int i = 0; i < (reduced_run() ? 6 : 60); ++i) {
     SCOPED_TRACE("rope case " + std::to_string(i));
     check_rope_case(rng, 200);
+  }
+}
+
+// apply_rope_with_cos_sin_cache_inplace on the GPU against the CPU, on a random table (any
+// values: the op only reads it), int32 and int64 positions; then an out-of-range position on
+// the device: that token's rotated features are NaN, everything else as on the CPU.
+void check_rope_table_case(std::mt19937_64& rng, int32_t max_tokens, bool out_of_range) {
+  const int32_t nnz = uniform(rng, 1, max_tokens);
+  const int32_t q_heads = uniform(rng, 1, 8), k_heads = uniform(rng, 1, 4);
+  const int32_t head_dim = pick<int32_t>(rng, {8, 64, 128, 256});
+  const int32_t rotary_dim = chance(rng, 0.5) ? head_dim : 2 * uniform(rng, 1, head_dim / 2);
+  const int32_t max_position = uniform(rng, 1, 600);
+  const DType q_dtype = pick(rng, kFloatDtypes), k_dtype = pick(rng, kFloatDtypes);
+  const bool interleave = chance(rng, 0.5), wide = chance(rng, 0.5);
+  std::vector<uint8_t> q = random_tensor(rng, q_dtype, int64_t{nnz} * q_heads * head_dim, 1.0);
+  std::vector<uint8_t> k = random_tensor(rng, k_dtype, int64_t{nnz} * k_heads * head_dim, 1.0);
+  std::vector<uint8_t> table_bytes =
+      random_tensor(rng, DType::kFloat32, int64_t{max_position} * rotary_dim, 1.0);
+  std::vector<int64_t> positions(static_cast<size_t>(nnz));
+  for (int64_t& position : positions) position = uniform(rng, 0, max_position - 1);
+  const int32_t bad_token = out_of_range ? uniform(rng, 0, nnz - 1) : -1;
+  std::vector<int64_t> device_positions = positions;
+  if (bad_token >= 0) device_positions[bad_token] = chance(rng, 0.5) ? max_position : -1;
+  std::vector<int32_t> narrow(device_positions.begin(), device_positions.end());
+  std::vector<int32_t> narrow_host(positions.begin(), positions.end());
+
+  DeviceBuffer q_device(q), k_device(k), table_device(table_bytes);
+  DeviceBuffer positions_device = wide ? DeviceBuffer(device_positions) : DeviceBuffer(narrow);
+  const DType position_dtype = wide ? DType::kInt64 : DType::kInt32;
+  auto q_view = [&](Device device, void* data) {
+    return view_on(device, data, q_dtype, {nnz, q_heads, head_dim},
+                   {q_heads * head_dim, head_dim, 1});
+  };
+  auto k_view = [&](Device device, void* data) {
+    return view_on(device, data, k_dtype, {nnz, k_heads, head_dim},
+                   {k_heads * head_dim, head_dim, 1});
+  };
+  apply_rope_with_cos_sin_cache_inplace(
+      q_view(kGpu, q_device.data()), k_view(kGpu, k_device.data()),
+      view_on(kGpu, positions_device.data(), position_dtype, {nnz}, {1}),
+      view_on(kGpu, table_device.data(), DType::kFloat32, {max_position, rotary_dim},
+              {rotary_dim, 1}),
+      interleave, nullptr);
+  std::vector<uint8_t> q_expected = q, k_expected = k;
+  apply_rope_with_cos_sin_cache_inplace(
+      q_view(Device{}, q_expected.data()), k_view(Device{}, k_expected.data()),
+      wide ? host_view(positions.data(), DType::kInt64, {nnz}, {1})
+           : host_view(narrow_host.data(), DType::kInt32, {nnz}, {1}),
+      host_view(table_bytes.data(), DType::kFloat32, {max_position, rotary_dim}, {rotary_dim, 1}),
+      interleave, nullptr);
+  // The expected NaN of the out-of-range token's rotated features.
+  if (bad_token >= 0) {
+    for (auto [bytes, dtype, heads] :
+         {std::tuple{&q_expected, q_dtype, q_heads}, {&k_expected, k_dtype, k_heads}}) {
+      for (int32_t h = 0; h < heads; ++h) {
+        for (int32_t d = 0; d < rotary_dim; ++d) {
+          detail::store_from_float(bytes->data(), dtype,
+                                   (int64_t{bad_token} * heads + h) * head_dim + d,
+                                   std::numeric_limits<float>::quiet_NaN());
+        }
+      }
+    }
+  }
+  const std::string what = "rope table nnz " + std::to_string(nnz) + " head_dim " +
+                           std::to_string(head_dim) + " rotary " + std::to_string(rotary_dim) +
+                           (interleave ? " interleave" : " neox") + (wide ? " int64" : " int32") +
+                           (bad_token >= 0 ? " bad token " + std::to_string(bad_token) : "");
+  const auto nan_equal = [](std::vector<uint8_t> bytes, DType dtype) {  // NaN payloads may differ
+    for (size_t i = 0; i < bytes.size() / dtype_size(dtype); ++i) {
+      if (std::isnan(detail::load_as_float(bytes.data(), dtype, static_cast<int64_t>(i)))) {
+        detail::store_from_float(bytes.data(), dtype, static_cast<int64_t>(i), 0.0f);
+      }
+    }
+    return bytes;
+  };
+  expect_elements_close(nan_equal(q_device.download<uint8_t>(), q_dtype),
+                        nan_equal(q_expected, q_dtype), q_dtype, 1.0, 1e-6, what + " (q)");
+  expect_elements_close(nan_equal(k_device.download<uint8_t>(), k_dtype),
+                        nan_equal(k_expected, k_dtype), k_dtype, 1.0, 1e-6, what + " (k)");
+}
+
+TEST(CudaOps, RopeWithCosSinCacheMatchesCpu) {
+  TESSERA_SKIP_WITHOUT_GPU();
+  std::mt19937_64 rng(base_seed() + 7);
+  for (int i = 0; i < (reduced_run() ? 6 : 40); ++i) {
+    SCOPED_TRACE("rope table case " + std::to_string(i));
+    check_rope_table_case(rng, 200, i % 4 == 3);
   }
 }
 
@@ -444,6 +532,7 @@ TEST(SanitizerCudaOps, SmallCasesEveryOp) {
   std::mt19937_64 rng(base_seed() + 5);
   for (int i = 0; i < 3; ++i) {
     check_rope_case(rng, 4);
+    check_rope_table_case(rng, 4, true);
     check_append_case(rng, 2, 3);
     check_merge_state_case(rng, 3);
     check_merge_states_case(rng, 3);

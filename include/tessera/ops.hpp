@@ -31,6 +31,22 @@ struct RopeOptions {
 void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorView& positions,
                         const RopeOptions& options, void* stream = nullptr);
 
+// RoPE from a precomputed table, as vLLM's rotary_embedding and FlashInfer's
+// apply_rope_with_cos_sin_cache take it: cos_sin_cache [max_position, rotary_dim] float32
+// (contiguous rows), row p holding cos of the rotary_dim / 2 pairs at position p, then their sin
+// (vLLM's RotaryEmbedding.cos_sin_cache; any scaling scheme baked in). Rotates the first
+// rotary_dim features of every head of q [nnz, Hq, D] and k [nnz, Hk, D] (either may be an empty
+// view) in place: interleave = false (NeoX, vLLM's is_neox = true) pairs x[i] with
+// x[i + rotary_dim / 2], true (GPT-J) x[2i] with x[2i + 1]; x' = x cos - y sin, y' = y cos +
+// x sin in float. positions [nnz] int32 or int64, each in [0, max_position): read on the host
+// and checked for CPU tensors (and for CUDA tensors in checked mode, set_index_checking);
+// unchecked on a CUDA device, an out-of-range position never reads outside the table: its
+// token's rotated features are set to NaN.
+void apply_rope_with_cos_sin_cache_inplace(const TensorView& q, const TensorView& k,
+                                           const TensorView& positions,
+                                           const TensorView& cos_sin_cache,
+                                           bool interleave = false, void* stream = nullptr);
+
 // ---- paged KV append ----
 // Scatters new rows k_new/v_new [nnz, Hkv, D] (ragged by append_indptr [B+1]) into the paged
 // cache. The page table must already describe the cache *after* the append: request b's new rows

@@ -350,6 +350,17 @@ TESSERA_API tessera_status tessera_apply_rope_inplace(const DLTensor* q, const D
                                                       const tessera_rope_options* options,
                                                       void* stream);
 
+/* RoPE from a precomputed table (vLLM's rotary_embedding, FlashInfer's
+ * apply_rope_with_cos_sin_cache): cos_sin_cache [max_position, rotary_dim] float32, row p the
+ * cos of the rotary_dim / 2 pairs at position p then their sin; positions [nnz] int32 or int64
+ * in [0, max_position) (checked for host tensors and in checked mode; on a device, a token with
+ * an out-of-range position gets NaN in its rotated features, and nothing outside the table is
+ * read). interleave 0: NeoX pairs (x[i], x[i + rotary_dim / 2]); non-zero: GPT-J pairs. q or k
+ * may be NULL, not both (tessera::apply_rope_with_cos_sin_cache_inplace). */
+TESSERA_API tessera_status tessera_apply_rope_with_cos_sin_cache_inplace(
+    const DLTensor* q, const DLTensor* k, const DLTensor* positions, const DLTensor* cos_sin_cache,
+    int interleave, void* stream);
+
 /* Scatters k_new/v_new [nnz, Hkv, D], ragged by append_indptr [B+1], into the paged cache,
  * whose page table already describes the cache after the append. rope non-NULL: k rows are
  * rotated by their positions as they are written. */

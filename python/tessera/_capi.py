@@ -369,6 +369,9 @@ _PROTOTYPES: Dict[str, tuple] = {
     "tessera_apply_rope_inplace": (
         _STATUS, [_DLTensorP, _DLTensorP, _DLTensorP, _ROPE_P, _VOIDP]
     ),
+    "tessera_apply_rope_with_cos_sin_cache_inplace": (
+        _STATUS, [_DLTensorP, _DLTensorP, _DLTensorP, _DLTensorP, ctypes.c_int, _VOIDP]
+    ),
     "tessera_append_paged_kv_cache": (
         _STATUS, [_DLTensorP, _DLTensorP, _DLTensorP, _KV_P, _ROPE_P, _VOIDP]
     ),

@@ -36,7 +36,9 @@ from ._dlpack import (
     ref,
     shape_of,
     stream_of,
+    strides_of,
     to_dl,
+    view,
     to_host_int32,
 )
 
@@ -48,6 +50,8 @@ __all__ = [
     "apply_llama31_rope_pos_ids_inplace",
     "apply_rope",
     "apply_rope_pos_ids",
+    "apply_rope_with_cos_sin_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
     "apply_llama31_rope",
     "apply_llama31_rope_pos_ids",
     "append_paged_kv_cache",
@@ -202,6 +206,59 @@ def apply_llama31_rope_inplace(
     _rope(q, k, None, indptr, offsets, _llama31(rotary_dim, interleave, rope_scale, rope_theta,
                                                 low_freq_factor, high_freq_factor,
                                                 old_context_len))
+
+
+def _heads_view(x_dl: Optional[Any], head_size: int, name: str) -> Optional[Any]:
+    """[nnz, num_heads * head_size] (FlashInfer's and vLLM's layout) as [nnz, num_heads,
+    head_size] without a copy; a 3-D tensor as it is."""
+    if x_dl is None:
+        return None
+    shape, strides = shape_of(x_dl), strides_of(x_dl)
+    if len(shape) == 3:
+        return x_dl
+    if len(shape) != 2 or head_size <= 0 or shape[1] % head_size or (shape[1] > 1 and
+                                                                      strides[1] != 1):
+        raise ValueError(f"'{name}': expected [nnz, num_heads * head_size] with head_size = "
+                         f"{head_size} and contiguous rows (or [nnz, num_heads, head_size]), got "
+                         f"shape {list(shape)}")
+    return view(x_dl, (shape[0], shape[1] // head_size, head_size),
+                (strides[0], head_size, 1))
+
+
+def apply_rope_with_cos_sin_cache_inplace(positions: ArrayLike, query: Optional[ArrayLike],
+                                          key: Optional[ArrayLike], head_size: int,
+                                          cos_sin_cache: ArrayLike, is_neox: bool = True) -> None:
+    """RoPE from a precomputed table in place (FlashInfer's
+    ``apply_rope_with_cos_sin_cache_inplace``, vLLM's ``rotary_embedding``): ``query``
+    ``[nnz, num_q_heads * head_size]`` and ``key`` ``[nnz, num_k_heads * head_size]`` (or 3-D
+    ``[nnz, heads, head_size]``; either may be None), ``positions`` int32 / int64 ``[nnz]`` on
+    their device, ``cos_sin_cache`` float32 ``[max_position, rotary_dim]`` (each row the cos of
+    the rotary_dim / 2 pairs, then their sin). ``is_neox=True``: pairs (x[i], x[i + rotary_dim /
+    2]); False: GPT-J pairs (x[2i], x[2i + 1]). A position outside [0, max_position) is an error
+    for host arrays; on a GPU its token's rotated features become NaN."""
+    head_size = int(head_size)
+    q_dl = _heads_view(optional_dl(query, "query", writable=True), head_size, "query")
+    k_dl = _heads_view(optional_dl(key, "key", writable=True), head_size, "key")
+    first, first_dl = (query, q_dl) if q_dl is not None else (key, k_dl)
+    if first_dl is None:
+        raise ValueError("'query': expected query or key (or both), got neither")
+    positions_dl = to_dl(index_array(positions, "positions", first, first_dl), "positions")
+    table_dl = to_dl(cos_sin_cache, "cos_sin_cache")
+    check(_capi.lib().tessera_apply_rope_with_cos_sin_cache_inplace(
+        ref(q_dl), ref(k_dl), ref(positions_dl), ref(table_dl), 0 if is_neox else 1,
+        stream_arg(stream_of(first, first_dl))), {"q": "query", "k": "key"})
+
+
+def apply_rope_with_cos_sin_cache(positions: ArrayLike, query: Optional[ArrayLike],
+                                  key: Optional[ArrayLike], head_size: int,
+                                  cos_sin_cache: ArrayLike, is_neox: bool = True
+                                  ) -> Tuple[Optional[ArrayLike], Optional[ArrayLike]]:
+    """Out-of-place :func:`apply_rope_with_cos_sin_cache_inplace`: returns ``(query_out,
+    key_out)`` in the inputs' shapes."""
+    query_out, key_out = _copies(query, key)
+    apply_rope_with_cos_sin_cache_inplace(positions, query_out, key_out, head_size, cos_sin_cache,
+                                          is_neox)
+    return query_out, key_out
 
 
 def _copies(q: Optional[ArrayLike], k: Optional[ArrayLike]):

@@ -420,6 +420,22 @@ tessera_status tessera_apply_rope_inplace(const DLTensor* q, const DLTensor* k,
   });
 }
 
+tessera_status tessera_apply_rope_with_cos_sin_cache_inplace(const DLTensor* q, const DLTensor* k,
+                                                             const DLTensor* positions,
+                                                             const DLTensor* cos_sin_cache,
+                                                             int interleave, void* stream) {
+  constexpr const char* kFunction = "tessera_apply_rope_with_cos_sin_cache_inplace";
+  return guarded(kFunction, [&] {
+    const Converter convert(kFunction);
+    const TensorView q_view = convert.optional(q, "q");
+    const TensorView k_view = convert.optional(k, "k");
+    const TensorView positions_view = convert.tensor(positions, "positions");
+    const TensorView table_view = convert.tensor(cos_sin_cache, "cos_sin_cache");
+    tessera::apply_rope_with_cos_sin_cache_inplace(q_view, k_view, positions_view, table_view,
+                                                   interleave != 0, stream);
+  });
+}
+
 tessera_status tessera_append_paged_kv_cache(const DLTensor* k_new, const DLTensor* v_new,
                                              const DLTensor* append_indptr,
                                              const tessera_paged_kv* kv,

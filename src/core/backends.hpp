@@ -17,6 +17,10 @@ void cpu_reference_attention(const AttentionProblem& problem);
 // Split-KV partials go to the workspace (plan.workspace_bytes) and are merged per plan.merges.
 void cpu_fast_attention(const Plan& plan, const AttentionProblem& problem, Workspace workspace);
 
+// Positions already checked to lie in [0, cos_sin_cache.shape[0]).
+void cpu_apply_rope_cos_sin_cache(const TensorView& q, const TensorView& k,
+                                  const TensorView& positions, const TensorView& cos_sin_cache,
+                                  bool interleave);
 void cpu_apply_rope(const TensorView& q, const TensorView& k, const int32_t* positions,
                     const RopeOptions& options);
 void cpu_append_paged_kv(const TensorView& k_new, const TensorView& v_new,

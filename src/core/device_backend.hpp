@@ -45,6 +45,9 @@ struct DeviceBackend {
 
   void (*apply_rope)(const TensorView& q, const TensorView& k, const int32_t* positions,
                      const RopeOptions& options, void* stream);
+  void (*apply_rope_cos_sin_cache)(const TensorView& q, const TensorView& k,
+                                   const TensorView& positions, const TensorView& cos_sin_cache,
+                                   bool interleave, void* stream);
   void (*append_paged_kv)(const TensorView& k_new, const TensorView& v_new,
                           const int32_t* append_indptr, const KVSource& cache, int32_t batch_size,
                           int32_t num_kv_heads, int32_t head_dim, const RopeOptions* rope,

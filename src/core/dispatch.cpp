@@ -152,4 +152,20 @@ std::vector<int32_t> read_int32_array(const TensorView& view, void* stream) {
   return values;
 }
 
+std::vector<int64_t> read_index_values(const TensorView& view, void* stream) {
+  if (view.dtype == DType::kInt32) {
+    const std::vector<int32_t> narrow = read_int32_array(view, stream);
+    return {narrow.begin(), narrow.end()};
+  }
+  std::vector<int64_t> values(static_cast<size_t>(view.shape[0]));
+  if (values.empty()) return values;
+  if (view.device.type == DeviceType::kCPU) {
+    std::memcpy(values.data(), view.data, values.size() * sizeof(int64_t));
+    return values;
+  }
+  gpu_or_throw("read").copy_to_host(values.data(), view.data, values.size() * sizeof(int64_t),
+                                    stream);
+  return values;
+}
+
 }  // namespace tessera::detail

@@ -54,5 +54,7 @@ class ScratchBuffer {
 
 // Reads a small int32 device or host array into a host vector (synchronises a CUDA stream).
 std::vector<int32_t> read_int32_array(const TensorView& view, void* stream);
+// The same for a contiguous int32 or int64 array, widened to int64.
+std::vector<int64_t> read_index_values(const TensorView& view, void* stream);
 
 }  // namespace tessera::detail

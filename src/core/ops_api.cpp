@@ -8,6 +8,7 @@
 #include "core/paged_source.hpp"
 #include "core/validate.hpp"
 #include "core/device_backend.hpp"
+#include "tessera/backend.hpp"
 #include "tessera/ops.hpp"
 
 namespace tessera {
@@ -125,6 +126,62 @@ void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorVi
     return;
   }
   gpu().apply_rope(q, k, positions.ptr<const int32_t>(), options, stream);
+}
+
+void apply_rope_with_cos_sin_cache_inplace(const TensorView& q, const TensorView& k,
+                                           const TensorView& positions,
+                                           const TensorView& cos_sin_cache, bool interleave,
+                                           void* stream) {
+  const ArgChecker check("apply_rope_with_cos_sin_cache_inplace");
+  check.require(has_value(q) || has_value(k), "q", "expected q or k (or both), got neither");
+  const TensorView& first = has_value(q) ? q : k;
+  check.tensor(first, has_value(q) ? "q" : "k", 3, "[nnz, num_heads, head_dim]");
+  const Device device = first.device;
+  const int64_t nnz = first.shape[0], head_dim = first.shape[2];
+  for (const auto& [view, name] : {std::pair{q, "q"}, {k, "k"}}) {
+    if (!has_value(view)) continue;
+    check.tensor(view, name, 3, "[nnz, num_heads, head_dim]");
+    check_head_extent(check, view, name, 1, 2);
+    check.dtype_in(view, name, kFloatDtypes);
+    check.device_is(view, name, device);
+    check.dim_is(view, name, 0, nnz, "nnz, the token count of q/k");
+    check.dim_is(view, name, 2, head_dim, "head_dim");
+  }
+  check.tensor(positions, "positions", 1, "[nnz] of int32 or int64");
+  check.dtype_in(positions, "positions", {DType::kInt32, DType::kInt64});
+  check.device_is(positions, "positions", device);
+  check.dim_is(positions, "positions", 0, nnz, "nnz, the token count of q/k");
+  check.tensor(cos_sin_cache, "cos_sin_cache", 2, "[max_position, rotary_dim] of float32");
+  check.dtype_is(cos_sin_cache, "cos_sin_cache", DType::kFloat32);
+  check.device_is(cos_sin_cache, "cos_sin_cache", device);
+  const int64_t rotary_dim = cos_sin_cache.shape[1], max_position = cos_sin_cache.shape[0];
+  check.require(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
+                "cos_sin_cache", [&] {
+                  return "expected an even rotary_dim (dim 1) in [2, head_dim = " +
+                         std::to_string(head_dim) + "], got shape " +
+                         detail::shape_string(cos_sin_cache);
+                });
+  check.require(max_position >= 1 || nnz == 0, "cos_sin_cache",
+                "expected at least one position (dim 0)");
+  check_usable(check, device);
+  // Positions are read where the call can read them: the CPU's, or a device copy in checked mode.
+  const bool host = on_cpu(first);
+  if (host || index_checking()) {
+    const std::vector<int64_t> values = detail::read_index_values(positions, stream);
+    for (int64_t i = 0; i < nnz; ++i) {
+      if (values[i] < 0 || values[i] >= max_position) {
+        check.fail("positions", "positions[" + std::to_string(i) + "] = " +
+                                    std::to_string(values[i]) + " is outside [0, " +
+                                    std::to_string(max_position) +
+                                    ") (the rows of cos_sin_cache)");
+      }
+    }
+  }
+  if (host) {
+    detail::cpu_apply_rope_cos_sin_cache(q, k, positions, cos_sin_cache, interleave);
+    return;
+  }
+  gpu().apply_rope_cos_sin_cache(q, k, positions, cos_sin_cache, interleave, stream);
 }
 
 void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,

@@ -117,6 +117,46 @@ struct AngleTable {
 
 }  // namespace
 
+void cpu_apply_rope_cos_sin_cache(const TensorView& q, const TensorView& k,
+                                  const TensorView& positions, const TensorView& cos_sin_cache,
+                                  bool interleave) {
+  std::vector<const TensorView*> targets;
+  for (const TensorView* view : {&q, &k}) {
+    if (has_value(*view) && view->numel() > 0) targets.push_back(view);
+  }
+  if (targets.empty()) return;
+  const int64_t nnz = targets[0]->shape[0];
+  const int32_t rotary_dim = static_cast<int32_t>(cos_sin_cache.shape[1]);
+  const int32_t half = rotary_dim / 2;
+  const float* table = cos_sin_cache.ptr<const float>();
+  const bool wide = positions.dtype == DType::kInt64;
+  std::vector<float> scratch(static_cast<size_t>(rotary_dim));
+  for (int64_t token = 0; token < nnz; ++token) {
+    const int64_t position =
+        wide ? positions.ptr<const int64_t>()[token] : positions.ptr<const int32_t>()[token];
+    const float* cos_values = table + position * cos_sin_cache.stride[0];
+    const float* sin_values = cos_values + half;
+    for (const TensorView* view : targets) {
+      switch (view->dtype) {
+        case DType::kFloat32:
+          rotate_token<DType::kFloat32>(*view, rotary_dim, token, cos_values, sin_values,
+                                        interleave, scratch.data());
+          break;
+        case DType::kFloat16:
+          rotate_token<DType::kFloat16>(*view, rotary_dim, token, cos_values, sin_values,
+                                        interleave, scratch.data());
+          break;
+        case DType::kBFloat16:
+          rotate_token<DType::kBFloat16>(*view, rotary_dim, token, cos_values, sin_values,
+                                         interleave, scratch.data());
+          break;
+        default:  // the core lets only fp32 / fp16 / bf16 q and k through
+          break;
+      }
+    }
+  }
+}
+
 void cpu_apply_rope(const TensorView& q, const TensorView& k, const int32_t* positions,
                     const RopeOptions& options) {
   // The core guarantees that q and k, when both are given, share nnz and head_dim, and that

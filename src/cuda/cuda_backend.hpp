@@ -91,6 +91,9 @@ void cuda_synchronize(void* stream);
 void cuda_memset(void* ptr, int byte, size_t bytes, void* stream);  // asynchronous
 
 // Ops (device pointers; arguments validated by the core).
+void cuda_apply_rope_cos_sin_cache(const TensorView& q, const TensorView& k,
+                                   const TensorView& positions, const TensorView& cos_sin_cache,
+                                   bool interleave, void* stream);
 void cuda_apply_rope(const TensorView& q, const TensorView& k, const int32_t* positions,
                      const RopeOptions& options, void* stream);
 void cuda_append_paged_kv(const TensorView& k_new, const TensorView& v_new,

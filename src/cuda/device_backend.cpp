@@ -48,6 +48,7 @@ const DeviceBackend kCuda = {
     &cuda_free,
     &cuda_copy_to_host,
     &cuda_apply_rope,
+    &cuda_apply_rope_cos_sin_cache,
     &cuda_append_paged_kv,
     &cuda_block_table_to_csr,
     &cuda_merge_state,
