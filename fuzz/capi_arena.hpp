@@ -101,6 +101,12 @@ struct Arena {
     x->ints = values;
     return x;
   }
+  // The same values in an int64 tensor.
+  Tensor* ints64(const std::vector<int32_t>& values) {
+    Tensor* x = make(kI64, {static_cast<int64_t>(values.size())}, false);
+    x->ints = values;
+    return x;
+  }
 
   // value += delta, unless that overflows (the harness's own arithmetic must stay defined;
   // UBSan stops the run on it, as it did on an int32 index at INT32_MIN).
@@ -191,6 +197,13 @@ struct Arena {
           !x.explicit_strides) {
         const size_t n = std::min<size_t>(x.ints.size(), static_cast<size_t>(bytes) / 4);
         std::memcpy(data, x.ints.data(), n * 4);
+      } else if (!x.ints.empty() && x.t.dtype.code == kDLInt && x.t.dtype.bits == 64 && ndim == 1 &&
+                 (!x.explicit_strides || x.strides[0] >= 0)) {
+        const int64_t stride = x.explicit_strides ? x.strides[0] : 1;
+        for (int64_t i = 0; i < x.shape[0] && i < static_cast<int64_t>(x.ints.size()); ++i) {
+          const int64_t value = x.ints[i];
+          std::memcpy(data + i * stride * 8, &value, 8);
+        }
       } else if (!x.ints.empty() && x.t.dtype.code == kDLInt && x.t.dtype.bits == 32 && ndim == 1 &&
                  x.strides[0] >= 0) {
         for (int64_t i = 0; i < x.shape[0] && i < static_cast<int64_t>(x.ints.size()); ++i) {
@@ -341,8 +354,10 @@ struct Paged {
   }
 };
 
+// dim_v: v_cache's last dimension (head_dim_vo; < 0: dim).
 Paged make_paged(Arena& arena, FuzzedDataProvider& fdp, const std::vector<int32_t>& kv_lens,
-                 int page_size, int hkv, int dim, ElemKind kind, bool cache_output) {
+                 int page_size, int hkv, int dim, ElemKind kind, bool cache_output,
+                 int dim_v = -1) {
   Paged p;
   p.page_size = page_size;
   p.layout = fdp.ConsumeIntegralInRange<int>(0, 9) == 0 ? small(fdp, -1, 3) : small(fdp, 0, 1);
@@ -364,7 +379,7 @@ Paged make_paged(Arena& arena, FuzzedDataProvider& fdp, const std::vector<int32_
   const bool nhd = p.layout != TESSERA_KV_LAYOUT_HND;
   const int64_t d1 = nhd ? page_size : hkv, d2 = nhd ? hkv : page_size;
   p.k = arena.make(kind, {num_pages, d1, d2, dim}, cache_output, pad, 0);
-  p.v = arena.make(kind, {num_pages, d1, d2, dim}, cache_output, 0, pad);
+  p.v = arena.make(kind, {num_pages, d1, d2, dim_v < 0 ? dim : dim_v}, cache_output, 0, pad);
   p.indptr = arena.ints(p.page_indptr);
   p.indices = arena.ints(order);
   p.last = arena.ints(p.last_page_len);

@@ -31,6 +31,11 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
   const bool one_shot = mode >= 3;
   const int batch = small(fdp, 0, 4);
   const int hkv = small(fdp, 1, 3), group = small(fdp, 1, 4), dim = head_dim(fdp);
+  // head_dim_vo (the *_v2 plan calls' tessera_plan_options): mostly the qk width; sometimes
+  // another (valid, or not a multiple of 8, or past 512), given to the plan or not.
+  const bool other_vo = fdp.ConsumeIntegralInRange<int>(0, 5) == 0;
+  const int dim_v = other_vo ? (fdp.ConsumeBool() ? 8 * small(fdp, 0, 66) : head_dim(fdp)) : dim;
+  const bool plan_v2 = other_vo ? fdp.ConsumeIntegralInRange<int>(0, 7) != 0 : fdp.ConsumeBool();
   int hqo = hkv * group;
   if (fdp.ConsumeIntegralInRange<int>(0, 15) == 0) hqo = small(fdp, -1, 7);
   const int q_per_request = small(fdp, op == 2 ? 1 : 0, 4);
@@ -50,7 +55,7 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
   const tessera_attention_options* opts = null_options ? nullptr : &options;
 
   Tensor* q = arena.make(qk, {total_q, hqo, dim}, false, small(fdp, 0, 2) * 8, small(fdp, 0, 1) * 8);
-  Tensor* o = arena.make(qk, {total_q, hqo, dim}, true, small(fdp, 0, 2) * 8, small(fdp, 0, 1) * 8);
+  Tensor* o = arena.make(qk, {total_q, hqo, dim_v}, true, small(fdp, 0, 2) * 8, small(fdp, 0, 1) * 8);
   Tensor* lse = fdp.ConsumeBool() ? arena.make(kF32, {total_q, hqo}, true, small(fdp, 0, 3), 0)
                                   : nullptr;
   // The *_v2 calls' per-call options: sinks of a fuzzed dtype and length (their values are the
@@ -103,11 +108,11 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
   if (op == 0) {
     const int64_t extra = small(fdp, 0, 2);
     k = arena.make(kvk, {total_kv + extra, hkv, dim}, false, small(fdp, 0, 2) * 8, 0);
-    v = arena.make(kvk, {total_kv + extra, hkv, dim}, false, 0, small(fdp, 0, 2) * 8);
+    v = arena.make(kvk, {total_kv + extra, hkv, dim_v}, false, 0, small(fdp, 0, 2) * 8);
     qo = arena.ints(qo_indptr);
     kvp = arena.ints(kv_indptr);
   } else {
-    paged = make_paged(arena, fdp, kv_lens, std::max(page_size, 1), hkv, dim, kvk, false);
+    paged = make_paged(arena, fdp, kv_lens, std::max(page_size, 1), hkv, dim, kvk, false, dim_v);
     if (op == 1) qo = arena.ints(qo_indptr);
   }
 
@@ -122,7 +127,27 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
     if (!a.empty()) a[fdp.ConsumeIntegralInRange<size_t>(0, a.size() - 1)] += small(fdp, -3, 3);
   }
   const int device_type = fdp.ConsumeIntegralInRange<int>(0, 15) == 0 ? small(fdp, 0, 16) : kDLCPU;
-  if (!one_shot) {
+  tessera_plan_options plan_options;
+  tessera_plan_options_default(&plan_options);
+  plan_options.head_dim_vo = dim_v == dim && fdp.ConsumeBool() ? 0 : dim_v;
+  if (fdp.ConsumeIntegralInRange<int>(0, 7) == 0) {
+    plan_options.struct_size = fdp.ConsumeIntegralInRange<size_t>(0, sizeof plan_options);
+  }
+  const tessera_plan_options* po =
+      fdp.ConsumeIntegralInRange<int>(0, 15) == 0 ? nullptr : &plan_options;
+  if (!one_shot && plan_v2) {
+    if (op == 0) {
+      status = tessera_plan_ragged_prefill_v2(plan_qo.data(), plan_kv.data(), batch, hqo, hkv,
+                                              dim, opts, po, device_type, 0, &plan);
+    } else if (op == 1) {
+      status = tessera_plan_paged_prefill_v2(plan_qo.data(), plan_pages.data(), plan_last.data(),
+                                             batch, page_size, hqo, hkv, dim, opts, po,
+                                             device_type, 0, &plan);
+    } else {
+      status = tessera_plan_decode_v2(plan_pages.data(), plan_last.data(), batch, page_size, hqo,
+                                      hkv, dim, q_per_request, opts, po, device_type, 0, &plan);
+    }
+  } else if (!one_shot) {
     if (op == 0) {
       status = tessera_plan_ragged_prefill(plan_qo.data(), plan_kv.data(), batch, hqo, hkv, dim,
                                            opts, device_type, 0, &plan);
@@ -134,12 +159,16 @@ void attention(Arena& arena, FuzzedDataProvider& fdp) {
       status = tessera_plan_decode(plan_pages.data(), plan_last.data(), batch, page_size, hqo,
                                    hkv, dim, q_per_request, opts, device_type, 0, &plan);
     }
+  }
+  if (!one_shot) {
     arena.check(status);
     if (status != TESSERA_OK) {
       if (plan != nullptr) die("failed plan call returned a plan");
       return;
     }
     if (plan == nullptr) die("successful plan call returned NULL");
+    const int32_t planned_vo = tessera_plan_head_dim_vo(plan);
+    if (planned_vo != dim && planned_vo != plan_options.head_dim_vo) die("plan_head_dim_vo");
     size_t needed = 0;
     char text[64];
     const tessera_status explain = tessera_plan_explain(plan, text, sizeof text, &needed);
@@ -249,6 +278,29 @@ void rope(Arena& arena, FuzzedDataProvider& fdp) {
   arena.check(tessera_apply_rope_inplace(q ? q->get() : nullptr, k ? k->get() : nullptr,
                                          positions->get(), null_options ? nullptr : &options,
                                          nullptr));
+}
+
+// apply_rope_with_cos_sin_cache_inplace: a table of fuzzed shape and dtype, int32 or int64
+// positions in and around its rows.
+void rope_table(Arena& arena, FuzzedDataProvider& fdp) {
+  const int64_t nnz = small(fdp, 0, 6);
+  const int dim = head_dim(fdp);
+  const ElemKind kind = q_kind(fdp);
+  Tensor* q = fdp.ConsumeBool() ? arena.make(kind, {nnz, small(fdp, 1, 4), dim}, true, small(fdp, 0, 2) * 8, 0) : nullptr;
+  Tensor* k = fdp.ConsumeBool() ? arena.make(kind, {nnz, small(fdp, 1, 4), dim}, true, 0, small(fdp, 0, 2) * 8) : nullptr;
+  const int64_t rows = small(fdp, 0, 9), rotary = fdp.ConsumeBool() ? dim : small(fdp, -1, dim + 3);
+  Tensor* table = arena.make(fdp.ConsumeIntegralInRange<int>(0, 7) == 0 ? q_kind(fdp) : kF32,
+                             {rows, rotary}, false);
+  std::vector<int32_t> pos(nnz);
+  for (auto& p : pos) p = fdp.ConsumeIntegralInRange<int32_t>(-1, static_cast<int32_t>(rows));
+  Tensor* positions = fdp.ConsumeBool() ? arena.ints64(pos) : arena.ints(pos);
+  const int interleave = fdp.ConsumeBool();
+  const int mutations = fdp.ConsumeIntegralInRange<int>(0, 3);
+  for (int i = 0; i < mutations; ++i) arena.mutate();
+  arena.finalize();
+  arena.check(tessera_apply_rope_with_cos_sin_cache_inplace(
+      q ? q->get() : nullptr, k ? k->get() : nullptr, positions->get(), table->get(), interleave,
+      nullptr));
 }
 
 void append(Arena& arena, FuzzedDataProvider& fdp) {
@@ -434,8 +486,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // Mostly one thread (fast); sometimes 2, and the reference path.
   if (tessera_set_num_threads(threads == 7 ? 2 : 1) != TESSERA_OK) die("set_num_threads");
   if (tessera_set_cpu_reference(threads == 6) != TESSERA_OK) die("set_cpu_reference");
-  switch (fdp.ConsumeIntegralInRange<int>(0, 9)) {
+  switch (fdp.ConsumeIntegralInRange<int>(0, 10)) {
     case 0: rope(arena, fdp); break;
+    case 10: rope_table(arena, fdp); break;
     case 1: append(arena, fdp); break;
     case 2: block_table(arena, fdp); break;
     case 3: merge(arena, fdp); break;

@@ -20,6 +20,7 @@
 
 #include "common/cuda_graph_support.hpp"
 #include "common/gpu_test_support.hpp"
+#include "common/validation_fixture.hpp"
 #include "core/half.hpp"
 #include "tessera/tessera.h"
 #include "tessera/tessera.hpp"
@@ -42,20 +43,8 @@ using test::kGpu;
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
-std::string error_of(const std::function<void()>& call, Error::Kind kind) {
-  try {
-    call();
-  } catch (const Error& error) {
-    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << error.what();
-    return error.what();
-  }
-  ADD_FAILURE() << "the call did not throw";
-  return {};
-}
-
-void expect_contains(const std::string& text, const std::string& part) {
-  EXPECT_NE(text.find(part), std::string::npos) << "\"" << text << "\" lacks \"" << part << "\"";
-}
+using test::error_of;
+using test::expect_contains;
 
 // Decode of 2 requests (100 and 37 keys over shuffled pages of 16), GQA 8:2, head_dim 128,
 // fp16; the expected output from the CPU backend on the same fp16 values. Device buffers can be

@@ -19,6 +19,7 @@
 
 #include "common/capi_fixture.hpp"
 #include "common/scoped_env.hpp"
+#include "common/validation_fixture.hpp"
 #include "core/dispatch.hpp"
 #include "core/tuning.hpp"
 #include "core/validate.hpp"
@@ -34,21 +35,8 @@ using test::capi::int_tensor;
 using test::capi::kF32;
 using test::capi::kSentinel;
 
-// Throws unless `call` throws tessera::Error of `kind`; returns its message.
-std::string error_of(const std::function<void()>& call, Error::Kind kind) {
-  try {
-    call();
-  } catch (const Error& error) {
-    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << error.what();
-    return error.what();
-  }
-  ADD_FAILURE() << "the call did not throw";
-  return {};
-}
-
-void expect_contains(const std::string& text, const std::string& part) {
-  EXPECT_NE(text.find(part), std::string::npos) << "\"" << text << "\" lacks \"" << part << "\"";
-}
+using test::error_of;
+using test::expect_contains;
 
 // ---------------------------------------------------------------- workspace too small
 
@@ -295,17 +283,21 @@ TEST(FaultsTuningFile, EveryUnusableFileIsReportedTheSameWay) {
        ":2: unterminated quote"},
       {"truncated value", "tessera-tune 1\ndecode device=\"D\" head_dim=12",
        ":2: head_dim: expected 64, 128 or 256, got '12'"},
-      {"binary garbage", std::string("\x7f" "ELF\x02\x01\x01\0\0\0\xff\xfe\n", 14),
+      {"binary garbage",
+       std::string("\x7f"
+                   "ELF\x02\x01\x01\0\0\0\xff\xfe\n",
+                   14),
        ":1: expected the version line 'tessera-tune 1' first"},
       {"wrong version", "tessera-tune 7\n" + kGoodEntry,
        ":1: version 7 is not supported (this build reads 1)"},
-      {"unknown field", "tessera-tune 1\n" + kGoodEntry.substr(0, kGoodEntry.size() - 1) +
-                            " speed=9\n",
+      {"unknown field",
+       "tessera-tune 1\n" + kGoodEntry.substr(0, kGoodEntry.size() - 1) + " speed=9\n",
        ":2: unknown field 'speed'"},
       {"missing field", "tessera-tune 1\ndecode device=\"D\" head_dim=128 group=4 kv=bf16\n",
        ":2: missing field 'variant'"},
-      {"wrong value", "tessera-tune 1\ndecode device=\"D\" head_dim=128 group=4 kv=int8 "
-                      "variant=1 min_chunk=512\n",
+      {"wrong value",
+       "tessera-tune 1\ndecode device=\"D\" head_dim=128 group=4 kv=int8 "
+       "variant=1 min_chunk=512\n",
        ":2: kv: expected bf16, fp16, fp8_e4m3 or fp8_e5m2, got 'int8'"},
       {"wrong keyword", "tessera-tune 1\nprefill device=\"D\"\n",
        ":2: expected an entry starting with 'decode', got 'prefill'"},
@@ -318,7 +310,8 @@ TEST(FaultsTuningFile, EveryUnusableFileIsReportedTheSameWay) {
     EXPECT_EQ(file.status, detail::TuningFileStatus::kMalformed);
     EXPECT_TRUE(file.table.empty());
     EXPECT_EQ(file.error.rfind(path.string() + c.expected, 0), 0u)
-        << file.error << "\ndoes not start with\n" << path.string() + c.expected;
+        << file.error << "\ndoes not start with\n"
+        << path.string() + c.expected;
     const std::string warning = detail::tuning_file_warning(file, /*named=*/false);
     EXPECT_EQ(warning, "tessera: ignoring the tuning file: " + file.error +
                            " (the built-in decode defaults are used)\n");

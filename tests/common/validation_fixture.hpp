@@ -56,6 +56,23 @@ inline ::testing::AssertionResult fails_with(const std::function<void()>& call, 
   return ::testing::AssertionFailure() << "no exception was thrown";
 }
 
+// Fails the test unless `call` throws tessera::Error of `kind`; returns its message (empty when
+// it did not throw).
+inline std::string error_of(const std::function<void()>& call, Error::Kind kind) {
+  try {
+    call();
+  } catch (const Error& error) {
+    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << error.what();
+    return error.what();
+  }
+  ADD_FAILURE() << "the call did not throw";
+  return {};
+}
+
+inline void expect_contains(const std::string& text, const std::string& part) {
+  EXPECT_NE(text.find(part), std::string::npos) << "\"" << text << "\" lacks \"" << part << "\"";
+}
+
 inline std::vector<float> pattern(size_t size) {
   std::vector<float> values(size);
   for (size_t i = 0; i < size; ++i) values[i] = static_cast<float>(i % 13) * 0.125f - 0.75f;
