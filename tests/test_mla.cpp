@@ -335,7 +335,8 @@ TEST_F(MlaTest, BadRunsAreNamedAndWriteNothing) {
       "kpe_cache");
   expect_error(
       [&] {
-        append_paged_mla_cache(make_view(rows.data(), DType::kFloat32, {3, 60}), {},
+        append_paged_mla_cache(make_view(rows.data(), DType::kFloat32, {3, 60}),
+                               make_view(rows.data(), DType::kFloat32, {3, 16}),
                                buffers.index_view(append), good);
       },
       "kv_lora_rank");

@@ -40,6 +40,8 @@ void append_paged_mla_cache(const TensorView& ckv_new, const TensorView& kpe_new
     check.device_is(kpe_new, "kpe_new", device);
     check.dim_is(kpe_new, "kpe_new", 0, nnz, "nnz, the rows of ckv_new");
   }
+  check.require(has_rope || !has_value(cache.kpe_cache), "kpe_new",
+                "expected [nnz, rope_dim] rows: the cache has a kpe_cache");
   const int64_t lora = ckv_new.shape[1], rope_dim = has_rope ? kpe_new.shape[1] : 0;
   check.require(lora <= detail::kMaxMlaLoraRank && rope_dim <= detail::kMaxMlaRopeDim,
                 lora <= detail::kMaxMlaLoraRank ? "kpe_new" : "ckv_new", [&] {
