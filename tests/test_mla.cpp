@@ -64,6 +64,18 @@ void expect_matches_brute_force(const MlaBuffers& buffers, const std::string& wh
   }
 }
 
+template <class Call>
+void expect_error(Call&& call, const std::string& arg,
+                  Error::Kind kind = Error::Kind::kInvalidArgument) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one naming '" << arg << "'";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("'" + arg + "'"), std::string::npos) << error.what();
+    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << error.what();
+  }
+}
+
 TEST_F(MlaTest, ReferenceMatchesTheFormula) {
   set_cpu_impl(CpuImpl::kReference);
   std::mt19937_64 rng(37);
@@ -172,6 +184,37 @@ TEST_F(MlaTest, OneShotAndCombinedViews) {
   expect_matches_brute_force(buffers, "one-shot");
 }
 
+// Checked mode scans the rope segments too and names MLA's tensors.
+TEST_F(MlaTest, CheckedModeNamesTheLatentTensors) {
+  struct Checking {
+    ~Checking() { set_index_checking(false); }
+  } restore;
+  set_index_checking(true);
+  std::mt19937_64 rng(44);
+  MlaCase c;
+  c.kv_lora_rank = 64;
+  c.rope_dim = 16;
+  c.q_lens = {1, 2};
+  c.kv_lens = {10, 30};
+  MlaBuffers buffers = test::make_mla_buffers(c, rng);
+  run_case(buffers);  // clean inputs (NaN only where no call reads) pass
+  expect_matches_brute_force(buffers, "checked mode");
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const auto poison_and_expect = [&](std::vector<uint8_t>& bytes, int64_t element,
+                                     const char* name) {
+    float saved;
+    std::memcpy(&saved, bytes.data() + element * 4, 4);
+    std::memcpy(bytes.data() + element * 4, &nan, 4);
+    expect_error([&] { run_case(buffers); }, name);
+    std::memcpy(bytes.data() + element * 4, &saved, 4);
+  };
+  poison_and_expect(buffers.q_pe_separate, 5, "q_pe");
+  poison_and_expect(buffers.q, 7, "q_nope");
+  const int64_t page = buffers.page_indices[0];  // request 0, key 0
+  poison_and_expect(buffers.kpe_separate, page * c.page_size * c.rope_dim + 3, "kpe_cache");
+  poison_and_expect(buffers.cache, page * c.page_size * c.kv_lora_rank + 3, "ckv_cache");
+}
+
 // ---- append ----
 
 TEST_F(MlaTest, AppendWritesLatentRowsAndRotatesKpe) {
@@ -215,18 +258,6 @@ TEST_F(MlaTest, AppendWritesLatentRowsAndRotatesKpe) {
 }
 
 // ---- bad input: named, nothing written ----
-
-template <class Call>
-void expect_error(Call&& call, const std::string& arg,
-                  Error::Kind kind = Error::Kind::kInvalidArgument) {
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one naming '" << arg << "'";
-  } catch (const Error& error) {
-    EXPECT_NE(std::string(error.what()).find("'" + arg + "'"), std::string::npos) << error.what();
-    EXPECT_EQ(static_cast<int>(error.kind()), static_cast<int>(kind)) << error.what();
-  }
-}
 
 TEST_F(MlaTest, BadPlansAreNamed) {
   const std::vector<int32_t> qo = {0, 1}, pages = {0, 1}, last = {5};
