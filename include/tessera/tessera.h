@@ -444,6 +444,65 @@ TESSERA_API tessera_status tessera_run_cascade(
     const DLTensor* o, const DLTensor* lse, void* workspace, size_t workspace_bytes, void* stream,
     const tessera_run_options* run_options);
 
+/* ---- MLA: DeepSeek-style multi-head latent attention, absorbed (tessera/mla.hpp) ----
+ * Per token the paged cache holds a latent ckv [kv_lora_rank] and a rotary key kpe [rope_dim],
+ * shared by every query head; queries are q_nope [total_q, num_heads, kv_lora_rank] (times the
+ * absorbed W_UK) and q_pe [total_q, num_heads, rope_dim], ragged by qo_indptr (decode: one or a
+ * few rows per request; prefill: causal bottom-right with options.causal). Scores
+ * sm_scale * (q_nope . ckv + q_pe . kpe), o = softmax . ckv [total_q, num_heads, kv_lora_rank] in
+ * q's dtype, lse optional float32 [total_q, num_heads]. kv_lora_rank a multiple of 8 in [8, 512],
+ * rope_dim a multiple of 8 in [0, 128]. CPU only for now: a CUDA device is
+ * TESSERA_ERROR_UNSUPPORTED naming 'device' at plan time. */
+
+typedef struct tessera_mla_plan tessera_mla_plan;
+
+typedef struct tessera_mla_options {
+  int causal;     /* non-zero: causal mask, aligned bottom-right */
+  float sm_scale; /* 0 = 1 / sqrt(kv_lora_rank + rope_dim); DeepSeek's includes the YaRN factor */
+} tessera_mla_options;
+
+/* ckv_cache [num_pages, page_size, kv_lora_rank] and kpe_cache [num_pages, page_size, rope_dim]
+ * (NULL when rope_dim is 0), one dtype; a combined cache [num_pages, page_size, kv_lora_rank +
+ * rope_dim] is passed as two strided views of it. int32 page table as tessera_paged_kv's. */
+typedef struct tessera_mla_cache {
+  const DLTensor* ckv_cache;
+  const DLTensor* kpe_cache;
+  const DLTensor* page_indptr;
+  const DLTensor* page_indices;
+  const DLTensor* last_page_len;
+} tessera_mla_cache;
+
+/* Host lengths: qo_indptr and page_indptr batch_size + 1 values, last_page_len batch_size.
+ * options may be NULL (not causal, default scale). */
+TESSERA_API tessera_status tessera_plan_mla(const int32_t* qo_indptr, const int32_t* page_indptr,
+                                            const int32_t* last_page_len, int64_t batch_size,
+                                            int page_size, int num_heads, int kv_lora_rank,
+                                            int rope_dim, const tessera_mla_options* options,
+                                            int device_type, int device_id, tessera_mla_plan** out);
+/* Workspace a run needs (0 for NULL). */
+TESSERA_API size_t tessera_mla_plan_workspace_bytes(const tessera_mla_plan* plan);
+TESSERA_API tessera_status tessera_mla_plan_explain(const tessera_mla_plan* plan, char* buffer,
+                                                    size_t capacity, size_t* needed);
+TESSERA_API void tessera_mla_plan_destroy(tessera_mla_plan* plan);
+/* q_pe may be NULL when rope_dim is 0; lse may be NULL. Nothing is written on bad input. */
+TESSERA_API tessera_status tessera_run_mla(const tessera_mla_plan* plan, const DLTensor* q_nope,
+                                           const DLTensor* q_pe, const tessera_mla_cache* cache,
+                                           const DLTensor* qo_indptr, const DLTensor* o,
+                                           const DLTensor* lse, void* workspace,
+                                           size_t workspace_bytes, void* stream);
+/* Plan + run with an internal workspace (index arrays read on the host). */
+TESSERA_API tessera_status tessera_mla_attention(const DLTensor* q_nope, const DLTensor* q_pe,
+                                                 const tessera_mla_cache* cache,
+                                                 const DLTensor* qo_indptr, const DLTensor* o,
+                                                 const DLTensor* lse,
+                                                 const tessera_mla_options* options, void* stream);
+/* ckv_new [nnz, kv_lora_rank], kpe_new [nnz, rope_dim] (NULL when rope_dim is 0), ragged by
+ * append_indptr [B+1], into the last positions of each request (the page table describes the
+ * cache after the append); rope non-NULL: kpe rows rotated by their positions as written. */
+TESSERA_API tessera_status tessera_append_paged_mla_cache(
+    const DLTensor* ckv_new, const DLTensor* kpe_new, const DLTensor* append_indptr,
+    const tessera_mla_cache* cache, const tessera_rope_options* rope, void* stream);
+
 /* ---- CPU backend controls (process-wide) ---- */
 
 /* Threads of the CPU backend: >= 1 pins the count, 0 restores the default

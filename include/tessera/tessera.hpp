@@ -4,6 +4,7 @@
 #include "tessera/attention.hpp"
 #include "tessera/backend.hpp"
 #include "tessera/cascade.hpp"
+#include "tessera/mla.hpp"
 #include "tessera/ops.hpp"
 #include "tessera/types.hpp"
 #include "tessera/version.hpp"

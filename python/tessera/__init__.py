@@ -58,9 +58,11 @@ from .ops import (
 )
 from .wrappers import (
     BatchDecodeWithPagedKVCacheWrapper,
+    BatchMLAPagedAttentionWrapper,
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
     MultiLevelCascadeAttentionWrapper,
+    append_paged_mla_cache,
 )
 
 
@@ -162,6 +164,8 @@ __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper",
+    "BatchMLAPagedAttentionWrapper",
+    "append_paged_mla_cache",
     "RopeOptions",
     "append_paged_kv_cache",
     "apply_rope_inplace",

@@ -181,6 +181,20 @@ class CascadeLevel(ctypes.Structure):
                 ("page_indices", _DLTensorP), ("last_page_len", _DLTensorP)]
 
 
+class MlaOptions(ctypes.Structure):
+    """``tessera_mla_options``."""
+
+    _fields_ = [("causal", ctypes.c_int), ("sm_scale", ctypes.c_float)]
+
+
+class MlaCache(ctypes.Structure):
+    """``tessera_mla_cache``: the paged latent cache (kpe_cache NULL when rope_dim is 0)."""
+
+    _fields_ = [("ckv_cache", _DLTensorP), ("kpe_cache", _DLTensorP),
+                ("page_indptr", _DLTensorP), ("page_indices", _DLTensorP),
+                ("last_page_len", _DLTensorP)]
+
+
 def run_options(sinks_dl: Optional[DLTensor], enable_pdl: bool = False,
                 masks: Any = None) -> RunOptions:
     """A ``tessera_run_options`` whose sinks are ``sinks_dl`` (None: none), with programmatic
@@ -309,6 +323,26 @@ _PROTOTYPES: Dict[str, tuple] = {
         [_VOIDP, _DLTensorP, _DLTensorP, _DLTensorP, ctypes.c_int,
          ctypes.POINTER(CascadeLevel), ctypes.c_int, _DLTensorP, _DLTensorP, _VOIDP,
          ctypes.c_size_t, _VOIDP, _RUN_P],
+    ),
+    "tessera_plan_mla": (
+        _STATUS,
+        [_I32P, _I32P, _I32P, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+         ctypes.c_int, ctypes.POINTER(MlaOptions), ctypes.c_int, ctypes.c_int,
+         ctypes.POINTER(_VOIDP)],
+    ),
+    "tessera_mla_plan_workspace_bytes": (ctypes.c_size_t, [_VOIDP]),
+    "tessera_mla_plan_explain": (
+        _STATUS, [_VOIDP, ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]
+    ),
+    "tessera_mla_plan_destroy": (None, [_VOIDP]),
+    "tessera_run_mla": (
+        _STATUS,
+        [_VOIDP, _DLTensorP, _DLTensorP, ctypes.POINTER(MlaCache), _DLTensorP, _DLTensorP,
+         _DLTensorP, _VOIDP, ctypes.c_size_t, _VOIDP],
+    ),
+    "tessera_append_paged_mla_cache": (
+        _STATUS,
+        [_DLTensorP, _DLTensorP, _DLTensorP, ctypes.POINTER(MlaCache), _ROPE_P, _VOIDP],
     ),
     "tessera_plan_workspace_bytes": (ctypes.c_size_t, [_VOIDP]),
     "tessera_plan_upload": (_STATUS, [_VOIDP, _VOIDP, ctypes.c_size_t, _VOIDP]),
@@ -520,3 +554,10 @@ class CascadePlan(Plan):
 
     __slots__ = ()
     _prefix = "tessera_cascade_plan"
+
+
+class MlaPlan(Plan):
+    """Owns a ``tessera_mla_plan*`` (same interface as :class:`Plan`)."""
+
+    __slots__ = ()
+    _prefix = "tessera_mla_plan"

@@ -72,8 +72,11 @@ BenchResult run_case(const BenchCase& c, const BenchOptions& options, Device dev
     const double seconds = result.milliseconds * 1e-3;
     const double elem = static_cast<double>(dtype_size(options.dtype));
     const double pairs = problem.masked_pairs >= 0 ? problem.masked_pairs : visible_pairs(c);
-    result.flops = 4.0 * pairs * c.head_dim * c.num_qo_heads;
-    result.bytes = 2.0 * total_keys(c) * c.num_kv_heads * c.head_dim * elem;
+    // MLA: q.k over head_dim + rope_dim and p.v over head_dim per pair, one latent row per key.
+    result.flops = c.mla ? 2.0 * pairs * (c.qk_dim() + c.head_dim) * c.num_qo_heads
+                         : 4.0 * pairs * c.head_dim * c.num_qo_heads;
+    result.bytes = c.mla ? total_keys(c) * c.qk_dim() * elem
+                         : 2.0 * total_keys(c) * c.num_kv_heads * c.head_dim * elem;
     if (c.op == AttentionOp::kDecode) {
       result.rate = result.bytes / seconds / 1e12;
       if (peaks.memory > 0) result.percent_of_peak = 100.0 * result.rate / peaks.memory;
@@ -124,8 +127,7 @@ void write_json(const std::string& path, const std::string& device_text, DType d
          << ", \"first_count\": " << c.num_first() << ", \"checked\": " << (c.checked ? 1 : 0)
          << ", \"graph\": " << (c.graph ? 1 : 0) << ", \"pdl\": " << (c.pdl ? 1 : 0)
          << ", \"shared_prefix\": " << c.shared_prefix << ", \"cascade\": " << (c.cascade ? 1 : 0)
-         << ", \"mask_block\": " << c.mask_block
-         << ", \"ms\": " << r.milliseconds
+         << ", \"mask_block\": " << c.mask_block << ", \"ms\": " << r.milliseconds
          << ", \"min_ms\": " << r.min_milliseconds << ", \"max_ms\": " << r.max_milliseconds
          << ", \"runs\": " << r.runs << ", \"tflops\": " << r.flops / 1e12
          << ", \"bytes\": " << r.bytes << ", \"rate\": " << r.rate

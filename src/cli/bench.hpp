@@ -13,6 +13,7 @@
 #include "devtools/timing.hpp"
 #include "tessera/attention.hpp"
 #include "tessera/cascade.hpp"
+#include "tessera/mla.hpp"
 #include "tessera/types.hpp"
 
 namespace tessera::cli {
@@ -50,18 +51,23 @@ struct BenchCase {
   // probability mask_density (0: no mask). FLOPs count the visible pairs only.
   int mask_block = 0;
   double mask_density = 0.5;
+  // MLA (include/tessera/mla.hpp; CPU backend only): head_dim is kv_lora_rank, rope_dim the
+  // rotary part, one latent head; q and the cache are combined [.., head_dim + rope_dim] buffers
+  // read through q_nope / q_pe and ckv / kpe views, o is [.., head_dim].
+  bool mla = false;
+  int rope_dim = 0;
+
+  int qk_dim() const { return head_dim + rope_dim; }  // q / key width (head_dim unless MLA)
 
   int q_len_of(int b) const { return b < first_count && first_q_len > 0 ? first_q_len : q_len; }
-  int kv_len_of(int b) const {
-    return b < first_count && first_kv_len > 0 ? first_kv_len : kv_len;
-  }
+  int kv_len_of(int b) const { return b < first_count && first_kv_len > 0 ? first_kv_len : kv_len; }
   int num_first() const { return std::clamp(first_count, 0, batch); }
 };
 
 struct BenchOptions {
-  std::string backend = "auto";  // auto | cpu | cpu-reference | cuda
+  std::string backend = "auto";    // auto | cpu | cpu-reference | cuda
   std::string suite = "standard";  // quick | standard | serving | plan | overhead | roofline
-  std::string filter;             // substring of the case name; empty: all
+  std::string filter;              // substring of the case name; empty: all
   std::string json_path;
   DType dtype = DType::kBFloat16;
   int iterations = 0;  // 0: automatic
@@ -74,9 +80,9 @@ struct BenchResult {
   double milliseconds = 0;  // median of the timed runs
   double min_milliseconds = 0, max_milliseconds = 0;
   int runs = 0;
-  double flops = 0;      // FA convention: 4 * visible (row, key) pairs * head_dim * heads
-  double bytes = 0;      // K + V bytes read (decode)
-  double rate = 0;       // TFLOP/s (prefill) or TB/s (decode)
+  double flops = 0;  // FA convention: 4 * visible (row, key) pairs * head_dim * heads
+  double bytes = 0;  // K + V bytes read (decode)
+  double rate = 0;   // TFLOP/s (prefill) or TB/s (decode)
   double percent_of_peak = -1;
   double max_rel_error = -1;  // sampled rows vs the reference; -1: not checked
   int nan_count = 0;
@@ -84,13 +90,13 @@ struct BenchResult {
 
   // (max - min) / median of the timed runs (0 for fewer than two).
   double spread() const {
-    return runs > 1 && milliseconds > 0 ? (max_milliseconds - min_milliseconds) / milliseconds
-                                        : 0;
+    return runs > 1 && milliseconds > 0 ? (max_milliseconds - min_milliseconds) / milliseconds : 0;
   }
 };
 
-// auto: TESSERA_BACKEND (settings().backend) if set, else the GPU when one is visible, else the CPU. `reference`
-// (optional) is set when the double-precision oracle was asked for (cpu-reference).
+// auto: TESSERA_BACKEND (settings().backend) if set, else the GPU when one is visible, else the
+// CPU. `reference` (optional) is set when the double-precision oracle was asked for
+// (cpu-reference).
 Device resolve_backend(const std::string& backend, bool* reference = nullptr);
 std::vector<BenchCase> bench_suite(const std::string& suite, Device device);
 int run_bench(const BenchOptions& options);
@@ -123,6 +129,10 @@ struct BenchProblem {
   std::vector<int32_t> mask_offsets;
   TensorView mask_view, mask_indptr_view;
   double masked_pairs = -1;  // -1: no mask
+  // MLA cases: the plan, the q_pe view (q_view is q_nope) and the latent cache's views.
+  MlaPlan mla_plan;
+  TensorView q_pe_view;
+  MlaPagedCache mla_cache;
 
   bool is_paged() const { return spec.op != AttentionOp::kRaggedPrefill; }
 };

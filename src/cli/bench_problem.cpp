@@ -125,10 +125,33 @@ void build_block_mask(BenchProblem& p, uint64_t seed) {
     }
     p.mask_offsets.push_back(static_cast<int32_t>(p.mask_bytes.size()));
   }
-  p.mask_view = make_view(p.mask_bytes.data(), DType::kUInt8,
-                          {static_cast<int64_t>(p.mask_bytes.size())});
+  p.mask_view =
+      make_view(p.mask_bytes.data(), DType::kUInt8, {static_cast<int64_t>(p.mask_bytes.size())});
   p.mask_indptr_view = make_view(p.mask_offsets.data(), DType::kInt32,
                                  {static_cast<int64_t>(p.mask_offsets.size())});
+}
+
+// MLA cases: views of the combined q and cache buffers (q_nope / q_pe, ckv / kpe) and the plan.
+void plan_mla_case(BenchProblem& p) {
+  const BenchCase& c = p.spec;
+  const int64_t width = c.qk_dim(), heads = c.num_qo_heads;
+  const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
+  const auto q_part = [&](int64_t offset, int64_t dim) {
+    return make_view(static_cast<char*>(p.q.data()) + offset * elem, p.dtype,
+                     {p.total_q, heads, dim}, {heads * width, width, 1}, p.device);
+  };
+  p.q_view = q_part(0, c.head_dim);
+  p.q_pe_view = q_part(c.head_dim, c.rope_dim);
+  const TensorView cache =
+      make_view(p.k.data(), p.dtype, {p.num_pages, c.page_size, width}, p.device);
+  p.mla_cache = split_mla_cache(cache, c.head_dim);
+  p.mla_cache.page_indptr = p.paged.page_indptr;
+  p.mla_cache.page_indices = p.paged.page_indices;
+  p.mla_cache.last_page_len = p.paged.last_page_len;
+  MlaOptions options;
+  options.causal = c.causal;
+  p.mla_plan = plan_mla(p.qo_indptr, p.page_indptr, p.last_page_len, c.page_size, c.num_qo_heads,
+                        c.head_dim, c.rope_dim, options, p.device);
 }
 
 }  // namespace
@@ -150,7 +173,7 @@ void build_problem(BenchProblem& p, uint64_t seed) {
   }
   p.total_q = p.qo_indptr.back();
   p.total_kv = p.kv_indptr.back();
-  const int64_t row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  const int64_t row = static_cast<int64_t>(c.num_kv_heads) * c.qk_dim();
   if (p.is_paged()) {
     p.num_pages = p.page_indptr.back();
     // Pages in a shuffled order, as a serving engine's allocator hands them out
@@ -164,18 +187,19 @@ void build_problem(BenchProblem& p, uint64_t seed) {
     if (c.shared_prefix > 0) share_prefix_pages(p);
     const size_t cache_bytes = p.num_pages * c.page_size * row * elem;
     p.k = Buffer(p.device, cache_bytes);
-    p.v = Buffer(p.device, cache_bytes);
+    p.v = Buffer(p.device, c.mla ? 0 : cache_bytes);  // MLA: V is the ckv part of k
   } else {
     p.k = Buffer(p.device, p.total_kv * row * elem);
     p.v = Buffer(p.device, p.total_kv * row * elem);
   }
-  const int64_t q_elems = p.total_q * c.num_qo_heads * c.head_dim;
+  const int64_t q_elems = p.total_q * c.num_qo_heads * c.qk_dim();
+  const int64_t o_elems = p.total_q * c.num_qo_heads * c.head_dim;
   p.q = Buffer(p.device, q_elems * elem);
-  p.o = Buffer(p.device, q_elems * elem);
+  p.o = Buffer(p.device, o_elems * elem);
   p.lse = Buffer(p.device, p.total_q * c.num_qo_heads * sizeof(float));
   p.q.fill_random(p.dtype, seed + 1);
   p.k.fill_random(p.dtype, seed + 2);
-  p.v.fill_random(p.dtype, seed + 3);
+  if (!c.mla) p.v.fill_random(p.dtype, seed + 3);
   p.qo_indptr_buf = int_buffer(p.device, p.qo_indptr);
   p.kv_indptr_buf = int_buffer(p.device, p.kv_indptr);
 
@@ -197,7 +221,9 @@ void build_problem(BenchProblem& p, uint64_t seed) {
     p.paged.page_indptr = int_view(p.page_indptr_buf, p.page_indptr.size(), p.device);
     p.paged.page_indices = int_view(p.page_indices_buf, p.page_indices.size(), p.device);
     p.paged.last_page_len = int_view(p.last_page_len_buf, p.last_page_len.size(), p.device);
-    if (c.cascade) {
+    if (c.mla) {
+      plan_mla_case(p);
+    } else if (c.cascade) {
       plan_cascade_levels(p, options);
     } else if (c.op == AttentionOp::kDecode) {
       p.plan = plan_decode(p.page_indptr, p.last_page_len, c.page_size, c.num_qo_heads,
@@ -214,7 +240,9 @@ void build_problem(BenchProblem& p, uint64_t seed) {
                                  c.head_dim, options, p.device);
   }
   if (c.mask_block > 0) build_block_mask(p, seed + 4);
-  p.workspace = Buffer(p.device, c.cascade ? p.cascade.workspace_bytes : p.plan.workspace_bytes);
+  p.workspace = Buffer(p.device, c.cascade ? p.cascade.workspace_bytes
+                                 : c.mla   ? p.mla_plan.workspace_bytes()
+                                           : p.plan.workspace_bytes);
   // A serving engine plans once per step and runs the plan in every layer: the plan's lists are
   // uploaded here, outside the timed call (TESSERA_BENCH_UPLOAD=0 times run()'s own upload).
   if (p.device.type == DeviceType::kCUDA && detail::settings().bench_upload) {
@@ -241,6 +269,11 @@ void run_once(BenchProblem& p, void* stream) {
     run_options.custom_mask = p.mask_view;
     run_options.mask_indptr = p.mask_indptr_view;
   }
+  if (p.spec.mla) {
+    run_mla(p.mla_plan, p.q_view, p.q_pe_view, p.mla_cache, p.qo_view, p.o_view, p.lse_view,
+            workspace, stream);
+    return;
+  }
   if (p.spec.cascade) {
     run_cascade(p.cascade, p.q_view, p.paged.k_cache, p.paged.v_cache, p.paged.layout, p.levels,
                 p.o_view, p.lse_view, workspace, stream, run_options);
@@ -266,8 +299,9 @@ void run_once(BenchProblem& p, void* stream) {
 SampledReference sampled_reference(const BenchProblem& p, int b, std::mt19937_64& rng) {
   const BenchCase& c = p.spec;
   const int64_t elem = static_cast<int64_t>(dtype_size(p.dtype));
-  const int64_t q_row = static_cast<int64_t>(c.num_qo_heads) * c.head_dim;
-  const int64_t kv_row = static_cast<int64_t>(c.num_kv_heads) * c.head_dim;
+  const int64_t q_row = static_cast<int64_t>(c.num_qo_heads) * c.qk_dim();
+  const int64_t kv_row = static_cast<int64_t>(c.num_kv_heads) * c.qk_dim();
+  const Buffer& v_buffer = c.mla ? p.k : p.v;  // MLA: V = the ckv part of the key rows
   const int64_t q_begin = p.qo_indptr[b];
   const int q_len = c.q_len_of(b), kv_len = c.kv_len_of(b);
   std::vector<uint8_t> q(q_len * q_row * elem);
@@ -280,7 +314,7 @@ SampledReference sampled_reference(const BenchProblem& p, int b, std::mt19937_64
       const int64_t local = i - p.page_indptr[b];
       const int64_t bytes = std::min<int64_t>(page_bytes, k.size() - local * page_bytes);
       p.k.copy_to_host(k.data() + local * page_bytes, bytes, p.page_indices[i] * page_bytes);
-      p.v.copy_to_host(v.data() + local * page_bytes, bytes, p.page_indices[i] * page_bytes);
+      v_buffer.copy_to_host(v.data() + local * page_bytes, bytes, p.page_indices[i] * page_bytes);
     }
   } else {
     p.k.copy_to_host(k.data(), k.size(), p.kv_indptr[b] * kv_row * elem);
@@ -292,18 +326,19 @@ SampledReference sampled_reference(const BenchProblem& p, int b, std::mt19937_64
   host.batch_size = 1;
   host.num_qo_heads = c.num_qo_heads;
   host.num_kv_heads = c.num_kv_heads;
-  host.head_dim = c.head_dim;
+  host.head_dim = c.qk_dim();
+  host.head_dim_vo = c.head_dim;
   host.q = q.data();
   host.q_stride_token = q_row;
-  host.q_stride_head = c.head_dim;
+  host.q_stride_head = c.qk_dim();
   host.qo_indptr = qo_indptr;
   host.kv.dtype = p.dtype;
   host.kv.k = k.data();
   host.kv.v = v.data();
   host.kv.k_stride_token = host.kv.v_stride_token = kv_row;
-  host.kv.k_stride_head = host.kv.v_stride_head = c.head_dim;
+  host.kv.k_stride_head = host.kv.v_stride_head = c.qk_dim();
   host.kv.kv_indptr = kv_indptr;
-  host.sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)));
+  host.sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.qk_dim())));
   host.mask.causal = c.causal;
   // A custom mask: request b's segment, as the one request of this host problem.
   const int32_t mask_segment[2] = {c.mask_block > 0 ? p.mask_offsets[b] : 0, 0};

@@ -118,8 +118,8 @@ BenchCase group_decode_case(int qo_heads, int kv_heads, int batch) {
   BenchCase c = gqa_case(AttentionOp::kDecode, batch, 1, 4096, false, 16);
   c.num_qo_heads = qo_heads;
   c.num_kv_heads = kv_heads;
-  c.name = "decode gqa" + std::to_string(qo_heads) + "/" + std::to_string(kv_heads) +
-           " d128 p16 " + std::to_string(batch) + "x4096";
+  c.name = "decode gqa" + std::to_string(qo_heads) + "/" + std::to_string(kv_heads) + " d128 p16 " +
+           std::to_string(batch) + "x4096";
   return c;
 }
 
@@ -152,8 +152,9 @@ BenchCase shared_prefix_case(int batch, int prefix, int own, bool cascade) {
   BenchCase c = gqa_case(AttentionOp::kDecode, batch, 1, prefix + own, false, 16);
   c.shared_prefix = prefix;
   c.cascade = cascade;
-  c.name = "decode gqa32/8 d128 p16 " + std::to_string(batch) + "x(" + std::to_string(prefix / 1024) +
-           "k shared+" + std::to_string(own) + ")" + (cascade ? " cascade" : " plain");
+  c.name = "decode gqa32/8 d128 p16 " + std::to_string(batch) + "x(" +
+           std::to_string(prefix / 1024) + "k shared+" + std::to_string(own) + ")" +
+           (cascade ? " cascade" : " plain");
   return c;
 }
 
@@ -165,7 +166,8 @@ std::vector<BenchCase> serving_cases() {
     }
   }
   cases.push_back(gqa_case(AttentionOp::kDecode, 256, 1, 16384, false, 16));
-  for (int page : {1, 128}) cases.push_back(gqa_case(AttentionOp::kDecode, 16, 1, 4096, false, page));
+  for (int page : {1, 128})
+    cases.push_back(gqa_case(AttentionOp::kDecode, 16, 1, 4096, false, page));
   for (auto [qo_heads, kv_heads] : {std::pair{32, 32}, {64, 4}}) {
     cases.push_back(group_decode_case(qo_heads, kv_heads, 16));
   }
@@ -176,8 +178,7 @@ std::vector<BenchCase> serving_cases() {
   }
   for (int prefix : {2048, 8192, 32768}) {
     BenchCase chunk = gqa_case(AttentionOp::kPagedPrefill, 8, 512, prefix + 512, true, 16);
-    chunk.name = "chunked prefill gqa32/8 d128 p16 8x512 on " + std::to_string(prefix / 1024) +
-                 "k";
+    chunk.name = "chunked prefill gqa32/8 d128 p16 8x512 on " + std::to_string(prefix / 1024) + "k";
     cases.push_back(chunk);
   }
   cases.push_back(mixed_step_case());
@@ -247,9 +248,14 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
       d256.name = "decode gqa16/4 d256 p16 16x4096";
       cases.push_back(d256);
       // Wide groups (issue 39): 12:1, 16:1, 32:1 and 128:1 on the tensor-core row-tile rows.
-      for (auto [qo_heads, kv_heads, batch] :
-           {std::tuple{96, 8, 16}, {96, 8, 64}, {64, 4, 64}, {32, 1, 1}, {32, 1, 16}, {32, 1, 64},
-            {128, 1, 16}, {128, 1, 64}}) {
+      for (auto [qo_heads, kv_heads, batch] : {std::tuple{96, 8, 16},
+                                               {96, 8, 64},
+                                               {64, 4, 64},
+                                               {32, 1, 1},
+                                               {32, 1, 16},
+                                               {32, 1, 64},
+                                               {128, 1, 16},
+                                               {128, 1, 64}}) {
         cases.push_back(group_decode_case(qo_heads, kv_heads, batch));
       }
       BenchCase skewed_prefill = gqa_case(AttentionOp::kRaggedPrefill, 64, 256, 256, true, 0);
@@ -295,6 +301,21 @@ std::vector<BenchCase> bench_suite(const std::string& suite, Device device) {
     cases.push_back(gqa_case(AttentionOp::kDecode, 1, 1, 32768, false, 16));
     for (bool cascade : {false, true}) cases.push_back(shared_prefix_case(16, 4096, 256, cascade));
   }
+  // MLA decode at DeepSeek's widths (issue 37; CPU only: the CUDA backend refuses MLA, so its
+  // suites have no such case).
+  BenchCase mla;
+  mla.op = AttentionOp::kDecode;
+  mla.mla = true;
+  mla.batch = 8;
+  mla.q_len = 1;
+  mla.kv_len = quick ? 256 : 1024;
+  mla.num_qo_heads = 128;
+  mla.num_kv_heads = 1;
+  mla.head_dim = 512;
+  mla.rope_dim = 64;
+  mla.page_size = 64;
+  mla.name = "mla decode h128 512+64 p64 8x" + std::to_string(mla.kv_len);
+  cases.push_back(mla);
   return cases;
 }
 

@@ -114,8 +114,8 @@ std::vector<int32_t> paged_kv_lens(const ArgChecker& check, std::span<const int3
 Plan build_plan(const ArgChecker& check, AttentionOp op, std::vector<int32_t> q_lens,
                 std::vector<int32_t> kv_lens, int num_qo_heads, int num_kv_heads, int head_dim,
                 int page_size, const AttentionOptions& options, Device device,
-                const PlanCapacity& capacity) {
-  detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim);
+                const PlanCapacity& capacity, int max_head_dim = 256) {
+  detail::check_heads(check, num_qo_heads, num_kv_heads, head_dim, max_head_dim);
   check_options(check, options);
   detail::check_device_usable(check, device);
   const int32_t head_dim_vo = check_head_dim_vo(check, options, head_dim, device);
@@ -329,7 +329,14 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
   check.dim_is(kv.v_cache, "v_cache", 3, plan.head_dim_v(), "head_dim_vo of the plan");
   check.dim_is(kv.v_cache, "v_cache", 0, kv.k_cache.shape[0], "num_pages of k_cache");
   check_kv_dtype(check, kv.k_cache, kv.v_cache, q, "k_cache", "v_cache");
-  const int64_t num_pages = kv.k_cache.shape[0];
+  detail::check_page_table(check, plan, kv, kv.k_cache.shape[0], stream);
+  return detail::paged_kv_source(kv);
+}
+
+}  // namespace
+
+void detail::check_page_table(const ArgChecker& check, const Plan& plan, const PagedKVCache& kv,
+                              int64_t num_pages, void* stream) {
   check.index_array(kv.page_indptr, "page_indptr", plan.batch_size + 1, plan.device);
   check.index_array(kv.page_indices, "page_indices", -1, plan.device);
   check.index_array(kv.last_page_len, "last_page_len", plan.batch_size, plan.device);
@@ -369,8 +376,9 @@ KVSource paged_source(const ArgChecker& check, const Plan& plan, const PagedKVCa
       }
     }
   }
-  return detail::paged_kv_source(kv);
 }
+
+namespace {
 
 void check_qo_indptr(const ArgChecker& check, const Plan& plan, const TensorView& qo_indptr,
                      void* stream) {
@@ -407,7 +415,17 @@ Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int3
                         std::span<const int32_t> last_page_len, int page_size, int num_qo_heads,
                         int num_kv_heads, int head_dim, const AttentionOptions& options,
                         Device device, const PlanCapacity& capacity) {
-  const ArgChecker check("plan_paged_prefill");
+  return detail::plan_paged_prefill_as(ArgChecker("plan_paged_prefill"), qo_indptr, page_indptr,
+                                       last_page_len, page_size, num_qo_heads, num_kv_heads,
+                                       head_dim, options, device, capacity, 256);
+}
+
+Plan detail::plan_paged_prefill_as(const ArgChecker& check, std::span<const int32_t> qo_indptr,
+                                   std::span<const int32_t> page_indptr,
+                                   std::span<const int32_t> last_page_len, int page_size,
+                                   int num_qo_heads, int num_kv_heads, int head_dim,
+                                   const AttentionOptions& options, Device device,
+                                   const PlanCapacity& capacity, int max_head_dim) {
   check_batch_size(check, qo_indptr, "qo_indptr");
   check.indptr(qo_indptr, "qo_indptr");
   std::vector<int32_t> kv_lens = paged_kv_lens(check, page_indptr, last_page_len, page_size);
@@ -416,7 +434,8 @@ Plan plan_paged_prefill(std::span<const int32_t> qo_indptr, std::span<const int3
            " elements like qo_indptr, got " + std::to_string(page_indptr.size());
   });
   return build_plan(check, AttentionOp::kPagedPrefill, diffs(qo_indptr), std::move(kv_lens),
-                    num_qo_heads, num_kv_heads, head_dim, page_size, options, device, capacity);
+                    num_qo_heads, num_kv_heads, head_dim, page_size, options, device, capacity,
+                    max_head_dim);
 }
 
 Plan plan_decode(std::span<const int32_t> page_indptr, std::span<const int32_t> last_page_len,
@@ -553,6 +572,11 @@ void run_decode(const Plan& plan, const TensorView& q, const PagedKVCache& kv, c
                              detail::prepare_paged_run(AttentionOp::kDecode, plan, q, kv, {}, o,
                                                        lse, workspace, stream, run_options),
                              workspace, stream);
+}
+
+void detail::finish_run_checks(const ArgChecker& check, const Plan& plan, AttentionProblem& problem,
+                               void* stream) {
+  finish_checks(check, plan, problem, stream);
 }
 
 void detail::check_run_outputs(const ArgChecker& check, const Plan& plan, const TensorView& q,

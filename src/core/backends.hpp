@@ -25,7 +25,8 @@ void cpu_apply_rope(const TensorView& q, const TensorView& k, const int32_t* pos
                     const RopeOptions& options);
 void cpu_append_paged_kv(const TensorView& k_new, const TensorView& v_new,
                          const int32_t* append_indptr, const KVSource& cache, int32_t batch_size,
-                         int32_t num_kv_heads, int32_t head_dim, const RopeOptions* rope);
+                         int32_t num_kv_heads, int32_t head_dim, const RopeOptions* rope,
+                         int32_t head_dim_v = -1);  // v rows' width; -1: head_dim
 void cpu_block_table_to_csr(const TensorView& block_table, const int32_t* seq_lens, int page_size,
                             int32_t* page_indptr, int32_t* page_indices, int32_t* last_page_len);
 void cpu_merge_state(const TensorView& o_a, const float* lse_a, const TensorView& o_b,

@@ -71,7 +71,7 @@ void seen_keys(const MaskSpec& mask, int32_t q_len, int32_t kv_len, int32_t* lo,
   if (*lo >= *hi) *lo = *hi = 0;
 }
 
-CheckedRows query_rows(const Plan& plan, const AttentionProblem& problem) {
+CheckedRows query_rows(const Plan& plan, const AttentionProblem& problem, int64_t stride_token) {
   CheckedRows rows;
   int64_t token = 0;
   for (int32_t b = 0; b < plan.batch_size; ++b) {
@@ -79,7 +79,7 @@ CheckedRows query_rows(const Plan& plan, const AttentionProblem& problem) {
     for (int32_t i = 0; i < q_len; ++i) {
       int32_t first = 0, last = 0;
       problem.mask.visible_range(i, q_len, kv_len, &first, &last);
-      if (first < last) rows.add((token + i) * problem.q_stride_token, b, i);
+      if (first < last) rows.add((token + i) * stride_token, b, i);
     }
     token += q_len;
   }
@@ -107,11 +107,9 @@ struct ScannedTensor {
   int32_t head_dim;  // elements of a row of one head (v: head_dim_vo)
 };
 
-CheckedRows key_rows(const CallIndex& call, bool values) {
+CheckedRows key_rows(const CallIndex& call, int64_t stride_token, int64_t stride_page) {
   const Plan& plan = call.plan;
   const KVSource& kv = call.problem.kv;
-  const int64_t stride_token = values ? kv.v_stride_token : kv.k_stride_token;
-  const int64_t stride_page = values ? kv.v_stride_page : kv.k_stride_page;
   CheckedRows rows;
   int64_t row0 = 0;  // ragged: the request's first row (kv_indptr[b], = the plan's prefix)
   for (int32_t b = 0; b < plan.batch_size; ++b) {
@@ -242,18 +240,34 @@ void check_finite_inputs(const ArgChecker& check, const Plan& plan, const Attent
       call.pages = pages_copy.data();
     }
   }
+  // MLA (problem.mla) names its own tensors; its q / key rows may be two segments each.
+  const bool mla = problem.mla;
+  const char* k_name = mla ? "ckv_cache" : kv.paged ? "k_cache" : "k";
+  const char* v_name = mla ? "ckv_cache" : kv.paged ? "v_cache" : "v";
   check_tensor(check, call,
-               {"q", problem.q, problem.q_dtype, problem.num_qo_heads, problem.q_stride_head,
-                problem.head_dim},
-               query_rows(plan, problem), /*query=*/true);
-  check_tensor(check, call,
-               {kv.paged ? "k_cache" : "k", kv.k, kv.dtype, problem.num_kv_heads, kv.k_stride_head,
-                problem.head_dim},
-               key_rows(call, false), /*query=*/false);
-  check_tensor(check, call,
-               {kv.paged ? "v_cache" : "v", kv.v, kv.dtype, problem.num_kv_heads, kv.v_stride_head,
-                problem.head_dim_v()},
-               key_rows(call, true), /*query=*/false);
+               {mla ? "q_nope" : "q", problem.q, problem.q_dtype, problem.num_qo_heads,
+                problem.q_stride_head, problem.q_main_dim()},
+               query_rows(plan, problem, problem.q_stride_token), /*query=*/true);
+  if (problem.q_rope != nullptr) {
+    check_tensor(check, call,
+                 {"q_pe", problem.q_rope, problem.q_dtype, problem.num_qo_heads,
+                  problem.q_rope_stride_head, problem.rope_dim},
+                 query_rows(plan, problem, problem.q_rope_stride_token), /*query=*/true);
+  }
+  check_tensor(
+      check, call,
+      {k_name, kv.k, kv.dtype, problem.num_kv_heads, kv.k_stride_head, problem.k_main_dim()},
+      key_rows(call, kv.k_stride_token, kv.k_stride_page), /*query=*/false);
+  if (kv.k_rope != nullptr) {
+    check_tensor(check, call,
+                 {"kpe_cache", kv.k_rope, kv.dtype, problem.num_kv_heads, kv.k_rope_stride_head,
+                  problem.rope_dim},
+                 key_rows(call, kv.k_rope_stride_token, kv.k_rope_stride_page), /*query=*/false);
+  }
+  check_tensor(
+      check, call,
+      {v_name, kv.v, kv.dtype, problem.num_kv_heads, kv.v_stride_head, problem.head_dim_v()},
+      key_rows(call, kv.v_stride_token, kv.v_stride_page), /*query=*/false);
   check_sinks(check, plan, problem, stream);
 }
 

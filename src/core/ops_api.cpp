@@ -4,10 +4,11 @@
 #include <vector>
 
 #include "core/backends.hpp"
+#include "core/device_backend.hpp"
 #include "core/dispatch.hpp"
+#include "core/mla_internal.hpp"
 #include "core/paged_source.hpp"
 #include "core/validate.hpp"
-#include "core/device_backend.hpp"
 #include "tessera/backend.hpp"
 #include "tessera/ops.hpp"
 
@@ -17,44 +18,20 @@ namespace {
 using detail::ArgChecker;
 
 // The GPU backend of a call whose device check_usable accepted (so there is one).
-const detail::DeviceBackend& gpu() { return *detail::gpu_backend(); }
+const detail::DeviceBackend& gpu() {
+  return *detail::gpu_backend();
+}
 
 constexpr std::initializer_list<DType> kFloatDtypes = {DType::kFloat32, DType::kFloat16,
                                                        DType::kBFloat16};
 
-bool on_cpu(const TensorView& view) { return view.device.type == DeviceType::kCPU; }
+bool on_cpu(const TensorView& view) {
+  return view.device.type == DeviceType::kCPU;
+}
 
 // The CUDA RoPE kernels (standalone and fused into the append) keep the frequencies and the
 // cos/sin of every pair in fixed tables of 128 pairs (kMaxRopePairs, cuda/ops/rope_common.cuh).
 constexpr int64_t kMaxRotaryDim = 256;
-
-void check_rope_options(const ArgChecker& check, const RopeOptions& options, int64_t head_dim) {
-  const int64_t rotary = options.rotary_dim == 0 ? head_dim : options.rotary_dim;
-  check.require(rotary >= 2 && rotary <= head_dim && rotary % 2 == 0, "rope.rotary_dim", [&] {
-    return "expected an even value in [2, head_dim = " + std::to_string(head_dim) +
-           "] (0 = head_dim), got " + std::to_string(options.rotary_dim);
-  });
-  check.require(rotary <= kMaxRotaryDim, "rope.rotary_dim", [&] {
-    return "expected at most " + std::to_string(kMaxRotaryDim) +
-           " rotated features (0 = head_dim), got " + std::to_string(rotary);
-  });
-  check.require(std::isfinite(options.rope_theta) && options.rope_theta > 0, "rope.rope_theta",
-                "expected a finite value > 0");
-  check.require(std::isfinite(options.rope_scale) && options.rope_scale > 0, "rope.rope_scale",
-                "expected a finite value > 0");
-  if (options.llama31) {
-    check.require(options.llama31_factor > 0 && std::isfinite(options.llama31_factor),
-                  "rope.llama31_factor", "expected a finite value > 0");
-    check.require(std::isfinite(options.llama31_low_freq_factor) &&
-                      std::isfinite(options.llama31_high_freq_factor) &&
-                      options.llama31_low_freq_factor > 0 &&
-                      options.llama31_high_freq_factor > options.llama31_low_freq_factor,
-                  "rope.llama31_high_freq_factor",
-                  "expected high_freq_factor > low_freq_factor > 0");
-    check.require(options.llama31_original_max_position > 0,
-                  "rope.llama31_original_max_position", "expected > 0");
-  }
-}
 
 // The op kernels index heads and features in 32 bits and the CPU merge keeps one row of double
 // accumulators, so both are bounded (heads by detail::kMaxHeads, as attention's), head_dim well
@@ -79,9 +56,8 @@ void check_usable(const ArgChecker& check, Device device) {
 }
 
 void check_merge_operand(const ArgChecker& check, const TensorView& o, const char* o_name,
-                         const TensorView& lse, const char* lse_name, int64_t rows,
-                         int64_t heads, int64_t head_dim, Device device,
-                         bool is_output = false) {
+                         const TensorView& lse, const char* lse_name, int64_t rows, int64_t heads,
+                         int64_t head_dim, Device device, bool is_output = false) {
   check.tensor(o, o_name, 3, "[N, num_heads, head_dim]");
   if (is_output) check.output(o, o_name);
   check.dtype_in(o, o_name, kFloatDtypes);
@@ -101,6 +77,78 @@ void check_merge_operand(const ArgChecker& check, const TensorView& o, const cha
 
 }  // namespace
 
+void detail::check_rope_options(const ArgChecker& check, const RopeOptions& options,
+                                int64_t head_dim) {
+  const int64_t rotary = options.rotary_dim == 0 ? head_dim : options.rotary_dim;
+  check.require(rotary >= 2 && rotary <= head_dim && rotary % 2 == 0, "rope.rotary_dim", [&] {
+    return "expected an even value in [2, head_dim = " + std::to_string(head_dim) +
+           "] (0 = head_dim), got " + std::to_string(options.rotary_dim);
+  });
+  check.require(rotary <= kMaxRotaryDim, "rope.rotary_dim", [&] {
+    return "expected at most " + std::to_string(kMaxRotaryDim) +
+           " rotated features (0 = head_dim), got " + std::to_string(rotary);
+  });
+  check.require(std::isfinite(options.rope_theta) && options.rope_theta > 0, "rope.rope_theta",
+                "expected a finite value > 0");
+  check.require(std::isfinite(options.rope_scale) && options.rope_scale > 0, "rope.rope_scale",
+                "expected a finite value > 0");
+  if (options.llama31) {
+    check.require(options.llama31_factor > 0 && std::isfinite(options.llama31_factor),
+                  "rope.llama31_factor", "expected a finite value > 0");
+    check.require(std::isfinite(options.llama31_low_freq_factor) &&
+                      std::isfinite(options.llama31_high_freq_factor) &&
+                      options.llama31_low_freq_factor > 0 &&
+                      options.llama31_high_freq_factor > options.llama31_low_freq_factor,
+                  "rope.llama31_high_freq_factor",
+                  "expected high_freq_factor > low_freq_factor > 0");
+    check.require(options.llama31_original_max_position > 0, "rope.llama31_original_max_position",
+                  "expected > 0");
+  }
+}
+
+void detail::check_append_page_table(const ArgChecker& check, const int32_t* append, int64_t batch,
+                                     int64_t nnz, const KVSource& cache, int64_t page_size,
+                                     int64_t page_indices_len, int64_t num_pages,
+                                     const char* rows_of) {
+  check.indptr(std::span<const int32_t>(append, batch + 1), "append_indptr");
+  check.require(append[batch] == nnz, "append_indptr", [&] {
+    return "append_indptr[batch_size] = " + std::to_string(append[batch]) + " must equal the " +
+           std::to_string(nnz) + " rows of " + rows_of;
+  });
+  const std::span<const int32_t> pages(cache.page_indptr, batch + 1);
+  check.indptr(pages, "page_indptr");
+  check.require(pages.back() <= page_indices_len, "page_indices",
+                "page_indptr[batch_size] exceeds the length of page_indices");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t request_pages = pages[b + 1] - pages[b];
+    if (request_pages > 0) {
+      check.require(cache.last_page_len[b] >= 1 && cache.last_page_len[b] <= page_size,
+                    "last_page_len", [&] {
+                      return "expected values in [1, page_size], got last_page_len[" +
+                             std::to_string(b) + "] = " + std::to_string(cache.last_page_len[b]);
+                    });
+    }
+    // KVSource::kv_len is int32: count in 64 bits first (attention rejects such requests too).
+    const int64_t kv_len =
+        request_pages == 0 ? 0 : (request_pages - 1) * page_size + cache.last_page_len[b];
+    check.require(kv_len <= INT32_MAX, "page_indptr", [&] {
+      return "request " + std::to_string(b) + " holds more than 2^31 - 1 keys";
+    });
+    check.require(kv_len >= append[b + 1] - append[b], "page_indptr", [&] {
+      return "request " + std::to_string(b) + " appends " +
+             std::to_string(append[b + 1] - append[b]) + " rows but its pages hold only " +
+             std::to_string(kv_len) + " (the page table must describe the cache after the append)";
+    });
+  }
+  for (int32_t i = 0; i < pages.back(); ++i) {
+    const int32_t page = cache.page_indices[i];
+    check.require(page >= 0 && page < num_pages, "page_indices", [&] {
+      return "entry " + std::to_string(i) + " = " + std::to_string(page) +
+             " is out of range [0, num_pages = " + std::to_string(num_pages) + ")";
+    });
+  }
+}
+
 void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorView& positions,
                         const RopeOptions& options, void* stream) {
   const ArgChecker check("apply_rope_inplace");
@@ -119,7 +167,7 @@ void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorVi
     check.dim_is(view, name, 2, head_dim, "head_dim");
   }
   check.index_array(positions, "positions", nnz, device);
-  check_rope_options(check, options, head_dim);
+  detail::check_rope_options(check, options, head_dim);
   check_usable(check, device);
   if (on_cpu(first)) {
     detail::cpu_apply_rope(q, k, positions.ptr<const int32_t>(), options);
@@ -231,59 +279,23 @@ void append_paged_kv_cache(const TensorView& k_new, const TensorView& v_new,
   check.index_array(kv.page_indptr, "page_indptr", batch + 1, device);
   check.index_array(kv.page_indices, "page_indices", -1, device);
   check.index_array(kv.last_page_len, "last_page_len", batch, device);
-  if (rope) check_rope_options(check, *rope, k_new.shape[2]);
+  if (rope) detail::check_rope_options(check, *rope, k_new.shape[2]);
 
   const detail::KVSource cache = detail::paged_kv_source(kv);
 
   if (on_cpu(k_new)) {
     // Host arrays can be checked completely before anything is written.
     const int32_t* append = append_indptr.ptr<const int32_t>();
-    check.indptr(std::span<const int32_t>(append, batch + 1), "append_indptr");
-    check.require(append[batch] == k_new.shape[0], "append_indptr", [&] {
-      return "append_indptr[batch_size] = " + std::to_string(append[batch]) + " must equal the " +
-             std::to_string(k_new.shape[0]) + " rows of k_new";
-    });
-    const std::span<const int32_t> pages(cache.page_indptr, batch + 1);
-    check.indptr(pages, "page_indptr");
-    check.require(pages.back() <= kv.page_indices.shape[0], "page_indices",
-                  "page_indptr[batch_size] exceeds the length of page_indices");
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t num_pages = pages[b + 1] - pages[b];
-      if (num_pages > 0) {
-        check.require(cache.last_page_len[b] >= 1 && cache.last_page_len[b] <= page_size,
-                      "last_page_len", [&] {
-                        return "expected values in [1, page_size], got last_page_len[" +
-                               std::to_string(b) + "] = " + std::to_string(cache.last_page_len[b]);
-                      });
-      }
-      // KVSource::kv_len is int32: count in 64 bits first (attention rejects such requests too).
-      const int64_t kv_len =
-          num_pages == 0 ? 0 : (num_pages - 1) * page_size + cache.last_page_len[b];
-      check.require(kv_len <= INT32_MAX, "page_indptr", [&] {
-        return "request " + std::to_string(b) + " holds more than 2^31 - 1 keys";
-      });
-      check.require(kv_len >= append[b + 1] - append[b], "page_indptr", [&] {
-        return "request " + std::to_string(b) + " appends " +
-               std::to_string(append[b + 1] - append[b]) + " rows but its pages hold only " +
-               std::to_string(kv_len) +
-               " (the page table must describe the cache after the append)";
-      });
-    }
-    for (int32_t i = 0; i < pages.back(); ++i) {
-      const int32_t page = cache.page_indices[i];
-      check.require(page >= 0 && page < kv.k_cache.shape[0], "page_indices", [&] {
-        return "entry " + std::to_string(i) + " = " + std::to_string(page) +
-               " is out of range [0, num_pages = " + std::to_string(kv.k_cache.shape[0]) + ")";
-      });
-    }
+    detail::check_append_page_table(check, append, batch, k_new.shape[0], cache, page_size,
+                                    kv.page_indices.shape[0], kv.k_cache.shape[0], "k_new");
     detail::cpu_append_paged_kv(k_new, v_new, append, cache, static_cast<int32_t>(batch),
                                 static_cast<int32_t>(k_new.shape[1]),
                                 static_cast<int32_t>(k_new.shape[2]), rope);
     return;
   }
   gpu().append_paged_kv(k_new, v_new, append_indptr.ptr<const int32_t>(), cache,
-      static_cast<int32_t>(batch), static_cast<int32_t>(k_new.shape[1]),
-      static_cast<int32_t>(k_new.shape[2]), rope, stream);
+                        static_cast<int32_t>(batch), static_cast<int32_t>(k_new.shape[1]),
+                        static_cast<int32_t>(k_new.shape[2]), rope, stream);
 }
 
 void block_table_to_csr(const TensorView& block_table, const TensorView& seq_lens, int page_size,
@@ -344,8 +356,8 @@ void block_table_to_csr(const TensorView& block_table, const TensorView& seq_len
            " entries, got " + std::to_string(page_indices.shape[0]);
   });
   gpu().block_table_to_csr(block_table, seq_lens.ptr<const int32_t>(), page_size,
-      page_indptr.ptr<int32_t>(), page_indices.ptr<int32_t>(),
-      last_page_len.ptr<int32_t>(), stream);
+                           page_indptr.ptr<int32_t>(), page_indices.ptr<int32_t>(),
+                           last_page_len.ptr<int32_t>(), stream);
 }
 
 void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorView& o_b,
@@ -368,7 +380,7 @@ void merge_state(const TensorView& o_a, const TensorView& lse_a, const TensorVie
     return;
   }
   gpu().merge_state(o_a, lse_a.ptr<const float>(), o_b, lse_b.ptr<const float>(), o_out,
-      lse_out_ptr, stream);
+                    lse_out_ptr, stream);
 }
 
 void merge_states(const TensorView& states, const TensorView& lse, const TensorView& indptr,
@@ -398,7 +410,7 @@ void merge_states(const TensorView& states, const TensorView& lse, const TensorV
     return;
   }
   gpu().merge_states(states, lse.ptr<const float>(), indptr.ptr<const int32_t>(), o_out,
-      lse_out_ptr, stream);
+                     lse_out_ptr, stream);
 }
 
 }  // namespace tessera

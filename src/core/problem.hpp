@@ -37,6 +37,11 @@ struct KVSource {
   // the tensor as a whole (TMA), never used to find a request's keys.
   int64_t k_extent = 0;
   int64_t v_extent = 0;
+  // Optional second segment of every key row (MLA's rotary key kpe, issue 37): where set, key
+  // elements [head_dim - rope_dim, head_dim) come from this row of k_rope (same page table as k),
+  // the first head_dim - rope_dim from k. Null: a key row is head_dim elements of k. CPU only.
+  const void* k_rope = nullptr;
+  int64_t k_rope_stride_token = 0, k_rope_stride_head = 0, k_rope_stride_page = 0;
 
   // Element offset of key/value row `j` (0-based within the request) of request `b`, head `h`.
   // The caller guarantees 0 <= j < kv_len(b).
@@ -45,6 +50,9 @@ struct KVSource {
   }
   TESSERA_HD int64_t v_offset(int b, int h, int j) const {
     return row_offset(b, j, v_stride_token, v_stride_page) + h * v_stride_head;
+  }
+  TESSERA_HD int64_t k_rope_offset(int b, int h, int j) const {
+    return row_offset(b, j, k_rope_stride_token, k_rope_stride_page) + h * k_rope_stride_head;
   }
   TESSERA_HD int64_t row_offset(int b, int j, int64_t stride_token, int64_t stride_page) const {
     if (!paged) return static_cast<int64_t>(kv_indptr[b] + j) * stride_token;
@@ -122,6 +130,13 @@ struct AttentionProblem {
   // [b * q_per_request, (b+1) * q_per_request).
   const int32_t* qo_indptr = nullptr;
   int32_t q_per_request = 1;
+  // The rope part of q and k rows (MLA, issue 37: q_pe / kpe beside q_nope / ckv): where q_rope
+  // (kv.k_rope) is set, the last rope_dim elements of a q (key) row come from it and the first
+  // head_dim - rope_dim from q (kv.k). CPU backend only (mla_api.cpp refuses other devices).
+  int32_t rope_dim = 0;
+  const void* q_rope = nullptr;
+  int64_t q_rope_stride_token = 0, q_rope_stride_head = 0;
+  bool mla = false;  // an MLA call: checked mode names q_nope / q_pe / ckv_cache / kpe_cache
 
   KVSource kv;
 
@@ -151,6 +166,9 @@ struct AttentionProblem {
 
   TESSERA_HD int32_t group_size() const { return num_qo_heads / num_kv_heads; }
   TESSERA_HD int32_t head_dim_v() const { return head_dim_vo > 0 ? head_dim_vo : head_dim; }
+  // Elements of a q / key row that come from q / kv.k (the rest from q_rope / kv.k_rope).
+  TESSERA_HD int32_t q_main_dim() const { return q_rope ? head_dim - rope_dim : head_dim; }
+  TESSERA_HD int32_t k_main_dim() const { return kv.k_rope ? head_dim - rope_dim : head_dim; }
   TESSERA_HD int32_t q_begin(int b) const { return qo_indptr ? qo_indptr[b] : b * q_per_request; }
   TESSERA_HD int32_t q_len(int b) const {
     return qo_indptr ? qo_indptr[b + 1] - qo_indptr[b] : q_per_request;

@@ -36,8 +36,8 @@ void ArgChecker::tensor(const TensorView& view, std::string_view arg, int ndim,
                         std::string_view layout) const {
   if (view.ndim != ndim) {
     fail(arg, "expected a " + std::to_string(ndim) + "-D tensor " + std::string(layout) + ", got " +
-                  (view.ndim == 0 ? std::string("none") : std::to_string(view.ndim) + "-D " +
-                                                              shape_string(view)));
+                  (view.ndim == 0 ? std::string("none")
+                                  : std::to_string(view.ndim) + "-D " + shape_string(view)));
   }
   for (int i = 0; i < ndim; ++i) {
     if (view.shape[i] < 0) fail(arg, "negative size in shape " + shape_string(view));
@@ -61,8 +61,7 @@ void ArgChecker::tensor(const TensorView& view, std::string_view arg, int ndim,
     if (overflow || __builtin_add_overflow(last, int64_t{1}, &count) ||
         __builtin_mul_overflow(count, element_bytes, &bytes)) {
       fail(arg, "shape " + shape_string(view) + " with strides " +
-                    extents_string(view.stride, view.ndim) +
-                    " spans more than 2^63 - 1 bytes");
+                    extents_string(view.stride, view.ndim) + " spans more than 2^63 - 1 bytes");
     }
   }
   if (view.shape[ndim - 1] > 1 && view.stride[ndim - 1] != 1) {
@@ -111,8 +110,8 @@ void ArgChecker::index_array(const TensorView& view, std::string_view arg, int64
   dtype_is(view, arg, DType::kInt32);
   device_is(view, arg, device);
   if (length >= 0 && view.shape[0] != length) {
-    fail(arg, "expected " + std::to_string(length) + " elements, got " +
-                  std::to_string(view.shape[0]));
+    fail(arg,
+         "expected " + std::to_string(length) + " elements, got " + std::to_string(view.shape[0]));
   }
 }
 
@@ -124,15 +123,16 @@ int64_t ArgChecker::indptr(std::span<const int32_t> values, std::string_view arg
   }
   for (size_t i = 1; i < values.size(); ++i) {
     if (values[i] < values[i - 1]) {
-      fail(arg, "must be non-decreasing, but " + name() + "[" + std::to_string(i) + "] = " +
-                    std::to_string(values[i]) + " < " + name() + "[" + std::to_string(i - 1) +
-                    "] = " + std::to_string(values[i - 1]));
+      fail(arg, "must be non-decreasing, but " + name() + "[" + std::to_string(i) +
+                    "] = " + std::to_string(values[i]) + " < " + name() + "[" +
+                    std::to_string(i - 1) + "] = " + std::to_string(values[i - 1]));
     }
   }
   return values.back();
 }
 
-void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim) {
+void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim,
+                 int max_head_dim) {
   // kMaxHeads: a head count alone cannot make a plan of billions of work items.
   check.require(num_qo_heads >= 1 && num_qo_heads <= kMaxHeads, "num_qo_heads", [&] {
     return "expected 1.." + std::to_string(kMaxHeads) + ", got " + std::to_string(num_qo_heads);
@@ -144,8 +144,9 @@ void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, in
            std::to_string(num_qo_heads) + " query heads for " + std::to_string(num_kv_heads) +
            " kv heads";
   });
-  check.require(head_dim >= 8 && head_dim <= 256 && head_dim % 8 == 0, "head_dim", [&] {
-    return "expected a multiple of 8 in [8, 256], got " + std::to_string(head_dim);
+  check.require(head_dim >= 8 && head_dim <= max_head_dim && head_dim % 8 == 0, "head_dim", [&] {
+    return "expected a multiple of 8 in [8, " + std::to_string(max_head_dim) + "], got " +
+           std::to_string(head_dim);
   });
 }
 

@@ -35,7 +35,7 @@ class ArgChecker {
   }
   // Lazy: `make_message()` (returning std::string) runs only when the check fails.
   template <class MakeMessage>
-    requires std::is_invocable_r_v<std::string, MakeMessage>
+  requires std::is_invocable_r_v<std::string, MakeMessage>
   void require(bool condition, std::string_view arg, MakeMessage&& make_message) const {
     if (!condition) fail(arg, std::forward<MakeMessage>(make_message)());
   }
@@ -71,6 +71,9 @@ class ArgChecker {
 // item per (query tile, kv head) and the op kernels index heads in 32 bits.
 inline constexpr int kMaxHeads = 65536;
 
-void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim);
+// head_dim: a multiple of 8 in [8, max_head_dim] (256 for the generic ops; MLA's entry points,
+// which check their own widths, pass a larger bound for kv_lora_rank + rope_dim).
+void check_heads(const ArgChecker& check, int num_qo_heads, int num_kv_heads, int head_dim,
+                 int max_head_dim = 256);
 
 }  // namespace tessera::detail

@@ -28,6 +28,7 @@ struct AppendSide {
 // Copies head row `head` of source row `row` into cache position `position` of request `request`.
 void copy_row(const AppendSide& side, const KVSource& cache, int32_t request, int64_t row,
               int32_t head, int32_t position, int32_t head_dim) {
+  if (head_dim == 0) return;  // MLA without a rope part: no key row
   const TensorView& source = *side.source;
   const int64_t source_offset = row * source.stride[0] + head * source.stride[1];
   const int64_t cache_offset = side.is_key ? cache.k_offset(request, head, position)
@@ -96,7 +97,9 @@ void append_rotated_keys(const TensorView& k_new, void* k_cache, const KVSource&
 
 void cpu_append_paged_kv(const TensorView& k_new, const TensorView& v_new,
                          const int32_t* append_indptr, const KVSource& cache, int32_t batch_size,
-                         int32_t num_kv_heads, int32_t head_dim, const RopeOptions* rope) {
+                         int32_t num_kv_heads, int32_t head_dim, const RopeOptions* rope,
+                         int32_t head_dim_v) {
+  if (head_dim_v < 0) head_dim_v = head_dim;  // MLA: kpe (k, rope_dim) beside ckv (v)
   // The cache is writable memory handed in through PagedKVCache; KVSource is the read-side
   // descriptor shared with the attention kernels and therefore carries const pointers.
   void* k_cache = const_cast<void*>(cache.k);
@@ -119,7 +122,7 @@ void cpu_append_paged_kv(const TensorView& k_new, const TensorView& v_new,
         if (rope == nullptr) {
           copy_row(key_side, cache, request, first_row + i, head, first_position + i, head_dim);
         }
-        copy_row(value_side, cache, request, first_row + i, head, first_position + i, head_dim);
+        copy_row(value_side, cache, request, first_row + i, head, first_position + i, head_dim_v);
       }
     }
   }

@@ -136,7 +136,7 @@ class FlashAttentionKernel {
       first_key = take(sizeof(int32_t) * rows);
       last_key = take(sizeof(int32_t) * rows);
       mask_words = take(sizeof(uint64_t) * rows);  // per token: its visible keys of a tile
-      total = offset + kAlignBytes;  // room to align the caller's base pointer
+      total = offset + kAlignBytes;                // room to align the caller's base pointer
     }
   };
 
@@ -403,7 +403,8 @@ class FlashAttentionKernel {
     Vec acc = Simd::zero();
     const Vec zero = Simd::zero();
     const int32_t count = keys * dim_padded;
-    for (int32_t i = 0; i < count; i += kLanes) acc = Simd::fmadd(Simd::load(v_tile + i), zero, acc);
+    for (int32_t i = 0; i < count; i += kLanes)
+      acc = Simd::fmadd(Simd::load(v_tile + i), zero, acc);
     float lanes[kLanes];
     Simd::store(lanes, acc);
     bool finite = true;
@@ -518,14 +519,19 @@ class FlashAttentionKernel {
                                                   float* row_buffer, float* q_t) {
     const AttentionProblem& problem = *context.problem;
     const int32_t group_size = context.group_size;
-    const int32_t head_dim = problem.head_dim;
+    const int32_t head_dim = problem.head_dim, main_dim = problem.q_main_dim();
     std::memset(q_t, 0, sizeof(float) * dim_padded * rows_padded);
     for (int32_t r = 0; r < rows; ++r) {
       const int32_t qo_head = item.kv_head * group_size + r % group_size;
       const int64_t token = first_token + r / group_size;
       load_row(problem.q, problem.q_dtype,
-               token * problem.q_stride_token + qo_head * problem.q_stride_head, head_dim, nullptr,
+               token * problem.q_stride_token + qo_head * problem.q_stride_head, main_dim, nullptr,
                row_buffer);
+      if (main_dim < head_dim) {  // the rope part (MLA's q_pe) from its own tensor
+        load_row(problem.q_rope, problem.q_dtype,
+                 token * problem.q_rope_stride_token + qo_head * problem.q_rope_stride_head,
+                 head_dim - main_dim, nullptr, row_buffer + main_dim);
+      }
       if (dot_scores) {
         for (int32_t d = 0; d < head_dim; ++d)
           q_t[r * dim_padded + d] = row_buffer[d] * context.q_scale;
@@ -658,8 +664,8 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
   if (rows <= 0) return;
   const ScratchLayout layout(rows, head_dim, head_dim_v);
   const int32_t rows_padded = layout.rows_padded;
-  const int32_t qk_padded = layout.qk_padded;  // Q, K rows
-  const int32_t dim_padded = layout.dim_padded;  // V, O rows
+  const int32_t qk_padded = layout.qk_padded;       // Q, K rows
+  const int32_t dim_padded = layout.dim_padded;     // V, O rows
   const int32_t pv_rows = round_up(rows, kPvRows);  // skip O blocks made only of padding rows
 
   const uintptr_t base_address = reinterpret_cast<uintptr_t>(scratch);
@@ -699,8 +705,13 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
 
   const float minus_inf = -std::numeric_limits<float>::infinity();
   const int64_t kv_element_bytes = static_cast<int64_t>(dtype_size(kv.dtype));
-  const int64_t k_row_bytes = head_dim * kv_element_bytes;
+  const int32_t k_main_dim = problem.k_main_dim();
+  const int64_t k_row_bytes = k_main_dim * kv_element_bytes;
   const int64_t v_row_bytes = head_dim_v * kv_element_bytes;
+  // V rows are the first head_dim_v elements of the K rows (MLA's ckv): copy, don't convert.
+  const bool v_is_k_prefix = kv.v == kv.k && kv.v_stride_token == kv.k_stride_token &&
+                             kv.v_stride_page == kv.k_stride_page &&
+                             kv.v_stride_head == kv.k_stride_head && head_dim_v <= k_main_dim;
   for (int32_t key0 = lo; key0 < hi; key0 += kFastKeyTile) {
     const int32_t keys = std::min(kFastKeyTile, hi - key0);
     const int32_t keys_padded = round_up(keys, kQkKeys);
@@ -713,8 +724,8 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
       if (first_key[t] > key0 || last_key[t] < key0 + keys) all_visible = false;
     }
     if (masked && any_visible) {
-      tile_mask_words(problem, item, tokens, request_q_len, kv_len, key0, keys, first_key,
-                      last_key, mask_words, &any_visible, &all_visible);
+      tile_mask_words(problem, item, tokens, request_q_len, kv_len, key0, keys, first_key, last_key,
+                      mask_words, &any_visible, &all_visible);
     }
     if (!any_visible) continue;  // fully masked tiles are skipped
 
@@ -722,8 +733,16 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
     for (int32_t j = 0; j < keys; ++j) {
       float* k_row = k_tile + j * qk_padded;
       float* v_row = v_tile + j * dim_padded;
-      load_row(kv.k, kv.dtype, k_offsets[j], head_dim, context.fp8_table, k_row);
-      load_row(kv.v, kv.dtype, v_offsets[j], head_dim_v, context.fp8_table, v_row);
+      load_row(kv.k, kv.dtype, k_offsets[j], k_main_dim, context.fp8_table, k_row);
+      if (k_main_dim < head_dim) {  // the rope part (MLA's kpe) from its own tensor
+        load_row(kv.k_rope, kv.dtype, kv.k_rope_offset(request, item.kv_head, key0 + j),
+                 head_dim - k_main_dim, context.fp8_table, k_row + k_main_dim);
+      }
+      if (v_is_k_prefix) {  // MLA: V is the ckv part of K, converted once
+        std::memcpy(v_row, k_row, sizeof(float) * head_dim_v);
+      } else {
+        load_row(kv.v, kv.dtype, v_offsets[j], head_dim_v, context.fp8_table, v_row);
+      }
       fill(k_row + head_dim, qk_padded - head_dim, 0.0f);
       fill(v_row + head_dim_v, dim_padded - head_dim_v, 0.0f);
     }
@@ -733,7 +752,7 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
       const int32_t next_keys = std::min(kFastKeyTile, hi - key0 - kFastKeyTile);
       tile_offsets(kv, request, item.kv_head, key0 + kFastKeyTile, next_keys, k_offsets, v_offsets);
       prefetch_rows(kv.k, k_offsets, next_keys, kv_element_bytes, k_row_bytes);
-      prefetch_rows(kv.v, v_offsets, next_keys, kv_element_bytes, v_row_bytes);
+      if (!v_is_k_prefix) prefetch_rows(kv.v, v_offsets, next_keys, kv_element_bytes, v_row_bytes);
     }
     // Keys past the end of the range still go through the S block: keep them finite.
     const int32_t keys_computed = dot_scores ? round_up(keys, kLanes) : keys_padded;
@@ -757,9 +776,8 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
       }
     }
     online_softmax(s_tile, rows_padded, keys, row_max, row_sum, row_alpha);
-    accumulate_tile(s_tile, rows, rows_padded, pv_rows, v_tile, dim_padded, keys, key0,
-                    all_visible, group_size, first_key, last_key, row_alpha,
-                    masked ? mask_words : nullptr, o);
+    accumulate_tile(s_tile, rows, rows_padded, pv_rows, v_tile, dim_padded, keys, key0, all_visible,
+                    group_size, first_key, last_key, row_alpha, masked ? mask_words : nullptr, o);
   }
 
   write_rows(context, item, rows, dim_padded, first_token, o, row_max, row_sum, row_buffer);

@@ -14,13 +14,19 @@ void reference_load_kv(const AttentionProblem& problem, bool values, int32_t req
   const KVSource& kv = problem.kv;
   const int32_t kv_len = kv.kv_len(request);
   const int32_t head_dim = values ? problem.head_dim_v() : problem.head_dim;
+  // A key row may be two segments (k, then k_rope: MLA's ckv and kpe).
+  const int32_t main_dim = values ? head_dim : problem.k_main_dim();
   const void* base = values ? kv.v : kv.k;
   out->resize(static_cast<size_t>(kv_len) * head_dim);
   for (int32_t j = 0; j < kv_len; ++j) {
     const int64_t offset =
         values ? kv.v_offset(request, kv_head, j) : kv.k_offset(request, kv_head, j);
-    for (int32_t d = 0; d < head_dim; ++d) {
-      (*out)[static_cast<size_t>(j) * head_dim + d] = load_as_float(base, kv.dtype, offset + d);
+    float* row = out->data() + static_cast<size_t>(j) * head_dim;
+    for (int32_t d = 0; d < main_dim; ++d) row[d] = load_as_float(base, kv.dtype, offset + d);
+    if (main_dim == head_dim) continue;
+    const int64_t rope_offset = kv.k_rope_offset(request, kv_head, j);
+    for (int32_t d = main_dim; d < head_dim; ++d) {
+      row[d] = load_as_float(kv.k_rope, kv.dtype, rope_offset + d - main_dim);
     }
   }
 }
@@ -32,12 +38,21 @@ double sink_free_row(const AttentionProblem& problem, int32_t request, int32_t t
                      int32_t qo_head, const float* keys, const float* values, double* out) {
   const int32_t head_dim = problem.head_dim, head_dim_v = problem.head_dim_v();
   const int32_t q_len = problem.q_len(request), kv_len = problem.kv.kv_len(request);
-  const int64_t q_offset = static_cast<int64_t>(problem.q_begin(request) + token) *
-                               problem.q_stride_token +
-                           static_cast<int64_t>(qo_head) * problem.q_stride_head;
+  const int64_t q_offset =
+      static_cast<int64_t>(problem.q_begin(request) + token) * problem.q_stride_token +
+      static_cast<int64_t>(qo_head) * problem.q_stride_head;
   std::vector<double> query(head_dim);
-  for (int32_t d = 0; d < head_dim; ++d) {
+  const int32_t main_dim = problem.q_main_dim();  // the rest from q_rope (MLA's q_pe)
+  for (int32_t d = 0; d < main_dim; ++d) {
     query[d] = load_as_float(problem.q, problem.q_dtype, q_offset + d);
+  }
+  if (main_dim < head_dim) {
+    const int64_t rope_offset =
+        static_cast<int64_t>(problem.q_begin(request) + token) * problem.q_rope_stride_token +
+        static_cast<int64_t>(qo_head) * problem.q_rope_stride_head;
+    for (int32_t d = main_dim; d < head_dim; ++d) {
+      query[d] = load_as_float(problem.q_rope, problem.q_dtype, rope_offset + d - main_dim);
+    }
   }
   std::fill(out, out + head_dim_v, 0.0);
   int32_t first = 0, last = 0;

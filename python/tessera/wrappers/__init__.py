@@ -6,6 +6,8 @@
   query tokens per request) over a paged KV cache.
 * :class:`MultiLevelCascadeAttentionWrapper` — cascade attention: shared prefixes read once per
   group of requests, merged exactly with each request's own keys (:mod:`.cascade`).
+* :class:`BatchMLAPagedAttentionWrapper` — DeepSeek-style multi-head latent attention over a
+  paged latent cache, and :func:`append_paged_mla_cache` (:mod:`.mla`; CPU only for now).
 
 ``plan(...)`` takes the batch's index arrays (any framework; they are read on the host, once),
 builds Tessera's work partition on the host and keeps it (an opaque ``tessera_plan``), and places
@@ -64,6 +66,7 @@ from ._base import _hnd_to_nhd  # noqa: F401
 from ._fast_run import NOT_SERVED, fast_run  # noqa: F401
 from .cascade import MultiLevelCascadeAttentionWrapper
 from .decode import BatchDecodeWithPagedKVCacheWrapper
+from .mla import BatchMLAPagedAttentionWrapper, append_paged_mla_cache
 from .paged_prefill import BatchPrefillWithPagedKVCacheWrapper
 from .ragged_prefill import BatchPrefillWithRaggedKVCacheWrapper
 
@@ -72,4 +75,6 @@ __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "MultiLevelCascadeAttentionWrapper",
+    "BatchMLAPagedAttentionWrapper",
+    "append_paged_mla_cache",
 ]
