@@ -703,7 +703,6 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
   fill(row_max, rows_padded, -std::numeric_limits<float>::infinity());
   fill(row_sum, rows_padded, 0.0f);
 
-  const float minus_inf = -std::numeric_limits<float>::infinity();
   const int64_t kv_element_bytes = static_cast<int64_t>(dtype_size(kv.dtype));
   const int32_t k_main_dim = problem.k_main_dim();
   const int64_t k_row_bytes = k_main_dim * kv_element_bytes;
@@ -717,12 +716,7 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
     const int32_t keys_padded = round_up(keys, kQkKeys);
     // Skip tiles no token sees; mask only tiles that some token sees partially.
     bool any_visible = false, all_visible = true;
-    for (int32_t t = 0; t < tokens; ++t) {
-      if (first_key[t] < key0 + keys && last_key[t] > key0 && first_key[t] < last_key[t]) {
-        any_visible = true;
-      }
-      if (first_key[t] > key0 || last_key[t] < key0 + keys) all_visible = false;
-    }
+    tile_visibility(tokens, first_key, last_key, key0, keys, &any_visible, &all_visible);
     if (masked && any_visible) {
       tile_mask_words(problem, item, tokens, request_q_len, kv_len, key0, keys, first_key, last_key,
                       mask_words, &any_visible, &all_visible);
@@ -767,13 +761,7 @@ void FlashAttentionKernel<Simd>::run_work_item(const FastAttentionContext& conte
     if (!all_visible && masked) {
       mask_scores(s_tile, rows, rows_padded, keys, group_size, mask_words);
     } else if (!all_visible) {
-      for (int32_t r = 0; r < rows; ++r) {
-        const int32_t t = r / group_size;
-        const int32_t visible_lo = std::clamp(first_key[t] - key0, 0, keys);
-        const int32_t visible_hi = std::clamp(last_key[t] - key0, visible_lo, keys);
-        for (int32_t j = 0; j < visible_lo; ++j) s_tile[j * rows_padded + r] = minus_inf;
-        for (int32_t j = visible_hi; j < keys; ++j) s_tile[j * rows_padded + r] = minus_inf;
-      }
+      mask_outside_ranges(s_tile, rows, rows_padded, keys, key0, group_size, first_key, last_key);
     }
     online_softmax(s_tile, rows_padded, keys, row_max, row_sum, row_alpha);
     accumulate_tile(s_tile, rows, rows_padded, pv_rows, v_tile, dim_padded, keys, key0, all_visible,

@@ -1,6 +1,6 @@
-// The CPU fast path's steps for custom and tree masks (core/masks.hpp): per key tile, which keys
-// each query token of a work item sees (its causal / window range ANDed with the mask's bits),
-// and the scores of the keys a row does not see set to -inf before the online softmax. Tiles
+// The CPU fast path's masking steps: for custom and tree masks (core/masks.hpp), per key tile,
+// which keys each query token of a work item sees (its causal / window range ANDed with the mask's
+// bits), and the scores of the keys a row does not see set to -inf before the online softmax. Tiles
 // that no token sees are skipped by the kernel (fast_attention_impl.hpp); a tile that every
 // token sees whole runs unmasked.
 //
@@ -53,6 +53,36 @@ namespace tessera::detail {
     for (int32_t j = 0; j < keys; ++j) {
       if (((word >> j) & 1) == 0) s_tile[j * rows_padded + r] = minus_inf;
     }
+  }
+}
+
+// Whether some token sees keys [key0, key0 + keys) of its range [first_key[t], last_key[t]), and
+// whether every token sees all of them (the kernel skips and masks tiles by these).
+[[gnu::always_inline]] inline void tile_visibility(int32_t tokens, const int32_t* first_key,
+                                                   const int32_t* last_key, int32_t key0,
+                                                   int32_t keys, bool* any, bool* all) {
+  for (int32_t t = 0; t < tokens; ++t) {
+    if (first_key[t] < key0 + keys && last_key[t] > key0 && first_key[t] < last_key[t]) {
+      *any = true;
+    }
+    if (first_key[t] > key0 || last_key[t] < key0 + keys) *all = false;
+  }
+}
+
+// Without a mask: the scores (S^T tile, rows_padded per key) of the keys outside each row's
+// range set to -inf.
+[[gnu::always_inline]] inline void mask_outside_ranges(float* s_tile, int32_t rows,
+                                                       int32_t rows_padded, int32_t keys,
+                                                       int32_t key0, int32_t group_size,
+                                                       const int32_t* first_key,
+                                                       const int32_t* last_key) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  for (int32_t r = 0; r < rows; ++r) {
+    const int32_t t = r / group_size;
+    const int32_t visible_lo = std::clamp(first_key[t] - key0, 0, keys);
+    const int32_t visible_hi = std::clamp(last_key[t] - key0, visible_lo, keys);
+    for (int32_t j = 0; j < visible_lo; ++j) s_tile[j * rows_padded + r] = minus_inf;
+    for (int32_t j = visible_hi; j < keys; ++j) s_tile[j * rows_padded + r] = minus_inf;
   }
 }
 
