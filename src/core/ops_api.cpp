@@ -75,6 +75,25 @@ void check_merge_operand(const ArgChecker& check, const TensorView& o, const cha
   if (is_output) check.output(lse, lse_name);
 }
 
+// The q / k of a RoPE op: at least one given, each [nnz, heads, head_dim] of a float dtype on
+// one device with the same nnz and head_dim. Returns the first one given.
+const TensorView& check_rope_targets(const ArgChecker& check, const TensorView& q,
+                                     const TensorView& k) {
+  check.require(has_value(q) || has_value(k), "q", "expected q or k (or both), got neither");
+  const TensorView& first = has_value(q) ? q : k;
+  check.tensor(first, has_value(q) ? "q" : "k", 3, "[nnz, num_heads, head_dim]");
+  for (const auto& [view, name] : {std::pair{q, "q"}, {k, "k"}}) {
+    if (!has_value(view)) continue;
+    check.tensor(view, name, 3, "[nnz, num_heads, head_dim]");
+    check_head_extent(check, view, name, 1, 2);
+    check.dtype_in(view, name, kFloatDtypes);
+    check.device_is(view, name, first.device);
+    check.dim_is(view, name, 0, first.shape[0], "nnz, the token count of q/k");
+    check.dim_is(view, name, 2, first.shape[2], "head_dim");
+  }
+  return first;
+}
+
 }  // namespace
 
 void detail::check_rope_options(const ArgChecker& check, const RopeOptions& options,
@@ -152,20 +171,9 @@ void detail::check_append_page_table(const ArgChecker& check, const int32_t* app
 void apply_rope_inplace(const TensorView& q, const TensorView& k, const TensorView& positions,
                         const RopeOptions& options, void* stream) {
   const ArgChecker check("apply_rope_inplace");
-  check.require(has_value(q) || has_value(k), "q", "expected q or k (or both), got neither");
-  const TensorView& first = has_value(q) ? q : k;
-  check.tensor(first, has_value(q) ? "q" : "k", 3, "[nnz, num_heads, head_dim]");
+  const TensorView& first = check_rope_targets(check, q, k);
   const Device device = first.device;
   const int64_t nnz = first.shape[0], head_dim = first.shape[2];
-  for (const auto& [view, name] : {std::pair{q, "q"}, {k, "k"}}) {
-    if (!has_value(view)) continue;
-    check.tensor(view, name, 3, "[nnz, num_heads, head_dim]");
-    check_head_extent(check, view, name, 1, 2);
-    check.dtype_in(view, name, kFloatDtypes);
-    check.device_is(view, name, device);
-    check.dim_is(view, name, 0, nnz, "nnz, the token count of q/k");
-    check.dim_is(view, name, 2, head_dim, "head_dim");
-  }
   check.index_array(positions, "positions", nnz, device);
   detail::check_rope_options(check, options, head_dim);
   check_usable(check, device);
@@ -181,20 +189,9 @@ void apply_rope_with_cos_sin_cache_inplace(const TensorView& q, const TensorView
                                            const TensorView& cos_sin_cache, bool interleave,
                                            void* stream) {
   const ArgChecker check("apply_rope_with_cos_sin_cache_inplace");
-  check.require(has_value(q) || has_value(k), "q", "expected q or k (or both), got neither");
-  const TensorView& first = has_value(q) ? q : k;
-  check.tensor(first, has_value(q) ? "q" : "k", 3, "[nnz, num_heads, head_dim]");
+  const TensorView& first = check_rope_targets(check, q, k);
   const Device device = first.device;
   const int64_t nnz = first.shape[0], head_dim = first.shape[2];
-  for (const auto& [view, name] : {std::pair{q, "q"}, {k, "k"}}) {
-    if (!has_value(view)) continue;
-    check.tensor(view, name, 3, "[nnz, num_heads, head_dim]");
-    check_head_extent(check, view, name, 1, 2);
-    check.dtype_in(view, name, kFloatDtypes);
-    check.device_is(view, name, device);
-    check.dim_is(view, name, 0, nnz, "nnz, the token count of q/k");
-    check.dim_is(view, name, 2, head_dim, "head_dim");
-  }
   check.tensor(positions, "positions", 1, "[nnz] of int32 or int64");
   check.dtype_in(positions, "positions", {DType::kInt32, DType::kInt64});
   check.device_is(positions, "positions", device);
@@ -203,12 +200,11 @@ void apply_rope_with_cos_sin_cache_inplace(const TensorView& q, const TensorView
   check.dtype_is(cos_sin_cache, "cos_sin_cache", DType::kFloat32);
   check.device_is(cos_sin_cache, "cos_sin_cache", device);
   const int64_t rotary_dim = cos_sin_cache.shape[1], max_position = cos_sin_cache.shape[0];
-  check.require(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= head_dim,
-                "cos_sin_cache", [&] {
-                  return "expected an even rotary_dim (dim 1) in [2, head_dim = " +
-                         std::to_string(head_dim) + "], got shape " +
-                         detail::shape_string(cos_sin_cache);
-                });
+  check.require(
+      rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= head_dim, "cos_sin_cache", [&] {
+        return "expected an even rotary_dim (dim 1) in [2, head_dim = " + std::to_string(head_dim) +
+               "], got shape " + detail::shape_string(cos_sin_cache);
+      });
   check.require(max_position >= 1 || nnz == 0, "cos_sin_cache",
                 "expected at least one position (dim 0)");
   check_usable(check, device);
@@ -218,10 +214,9 @@ void apply_rope_with_cos_sin_cache_inplace(const TensorView& q, const TensorView
     const std::vector<int64_t> values = detail::read_index_values(positions, stream);
     for (int64_t i = 0; i < nnz; ++i) {
       if (values[i] < 0 || values[i] >= max_position) {
-        check.fail("positions", "positions[" + std::to_string(i) + "] = " +
-                                    std::to_string(values[i]) + " is outside [0, " +
-                                    std::to_string(max_position) +
-                                    ") (the rows of cos_sin_cache)");
+        check.fail("positions", "positions[" + std::to_string(i) +
+                                    "] = " + std::to_string(values[i]) + " is outside [0, " +
+                                    std::to_string(max_position) + ") (the rows of cos_sin_cache)");
       }
     }
   }
